@@ -1,0 +1,1 @@
+"""A readable, scalable GPT in JAX: model, data, training, sampling."""

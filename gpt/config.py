@@ -1,0 +1,375 @@
+"""Typed configuration: model, training and sampling settings, presets, and nanoGPT-style overrides.
+
+Settings are plain dataclasses. Command lines (`--n_layer=4`, `--dropout 0.0`, `--bias`), presets
+(`--preset=gpt2`) and config files (`--config=run.toml` or `.json`) all land in the same fields, are
+parsed by the field's declared type (never `eval`), and are validated once. Key names follow nanoGPT
+so that a nanoGPT user's command line works unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Sequence
+
+from gpt.errors import UserError
+
+VOCAB_MULTIPLE = 128  # the embedding/LM head is padded to this multiple for fast matmuls
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    pos_embedding: str = "learned"  # learned (GPT-2) | sinusoidal (Vaswani et al.)
+    # Runtime settings: they change how the model is computed, never its parameters.
+    dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU/TPU) | float32 | bfloat16
+    attention: str = "auto"  # auto | xla | cudnn | einsum (the plain reference implementation)
+    remat: str = "none"  # none | block | dots: activation rematerialisation per block
+    scan_layers: bool = False  # one compiled block applied with lax.scan (fast compile for deep models)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return math.ceil(self.vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+# Fields that define the parameters; a checkpoint's values must match the command line's.
+ARCH_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "pos_embedding")
+
+
+@dataclass
+class TrainConfig:
+    # I/O
+    out_dir: str = "out"
+    data_dir: str = ""  # a prepared data dir (python -m gpt.data); empty: the bundled Shakespeare
+    input: list[str] = field(default_factory=list)  # text files/folders/globs, prepared and cached
+    tokenizer: str = "char"  # with --input: gpt2 | char | bpe:N
+    init_from: str = "scratch"  # scratch | resume | gpt2 | <checkpoint dir>
+    overwrite: bool = False
+    seed: int = 1337
+    # optimisation
+    batch_size: int = 12
+    gradient_accumulation_steps: int = 1
+    max_iters: int = 2000
+    learning_rate: float = 1e-3
+    min_lr: float = 1e-4
+    lr_schedule: str = "cosine"  # cosine | constant | wsd (warmup-stable-decay)
+    warmup_iters: int = 100
+    lr_decay_iters: int = 0  # 0: max_iters
+    decay_fraction: float = 0.2  # wsd: the final fraction of steps that decays to min_lr
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # 0 disables clipping
+    # evaluation, logging, checkpoints
+    eval_interval: int = 250
+    eval_iters: int = 20
+    log_interval: int = 10
+    ckpt_interval: int = 0  # 0: at each eval
+    keep_checkpoints: int = 3
+    progress: bool = True
+    # scale-out
+    mesh: str = ""  # e.g. data:8 or data:2,fsdp:4; empty: all local devices on data
+    distributed: bool = False
+    coordinator_address: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+
+
+@dataclass
+class SampleConfig:
+    out_dir: str = "out"
+    prompt: str = "\n"
+    prompt_file: str = ""
+    num_samples: int = 1
+    max_new_tokens: int = 500
+    temperature: float = 0.8
+    top_k: int = 200  # 0 disables
+    top_p: float = 1.0
+    seed: int = 1337
+    stop: list[str] = field(default_factory=list)
+    dtype: str = "auto"
+    stream: bool = True
+
+
+_GPT2_TRAIN = dict(
+    tokenizer="gpt2", batch_size=12, gradient_accumulation_steps=40, max_iters=600000,
+    learning_rate=6e-4, min_lr=6e-5, warmup_iters=2000, weight_decay=0.1, beta2=0.95,
+    eval_interval=1000, eval_iters=200, log_interval=10,
+)
+PRESETS: dict[str, dict[str, Any]] = {
+    # nanoGPT's CPU example, a little longer: trains in minutes on a laptop-class CPU.
+    "default": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False,
+                    batch_size=12, max_iters=2000, lr_decay_iters=2000, learning_rate=1e-3,
+                    min_lr=1e-4, warmup_iters=100, eval_interval=250, eval_iters=20, log_interval=10),
+    # nanoGPT's config/train_shakespeare_char.py ("baby GPT").
+    "shakespeare-char": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, bias=False,
+                             batch_size=64, max_iters=5000, lr_decay_iters=5000, learning_rate=1e-3,
+                             min_lr=1e-4, warmup_iters=100, beta2=0.99, weight_decay=0.1, grad_clip=1.0,
+                             eval_interval=250, eval_iters=200, log_interval=10, tokenizer="char"),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257, bias=True,
+                 dropout=0.0, **_GPT2_TRAIN),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50257,
+                        bias=True, dropout=0.0, **_GPT2_TRAIN),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, vocab_size=50257,
+                       bias=True, dropout=0.0, **_GPT2_TRAIN),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, vocab_size=50257,
+                    bias=True, dropout=0.0, **_GPT2_TRAIN),
+    # For tests: a model that compiles and trains in a second.
+    "tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, bias=True,
+                 batch_size=4, max_iters=20, lr_decay_iters=20, warmup_iters=2, eval_interval=10,
+                 eval_iters=2, log_interval=5),
+}
+
+_CHOICES = {
+    "pos_embedding": ("learned", "sinusoidal"),
+    "dtype": ("auto", "float32", "bfloat16"),
+    "attention": ("auto", "xla", "cudnn", "einsum"),
+    "remat": ("none", "block", "dots"),
+    "lr_schedule": ("cosine", "constant", "wsd"),
+}
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def parse_value(key: str, raw: Any, typ: Any) -> Any:
+    """Convert `raw` (a string from the command line, or a TOML/JSON value) to the field's type."""
+    if typing.get_origin(typ) is list:
+        if isinstance(raw, list):
+            return [str(x) for x in raw]
+        return [s for s in str(raw).split(",") if s]
+    if typ is bool:
+        if isinstance(raw, bool):
+            return raw
+        s = str(raw).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise UserError(f"--{key} expects true or false, got {raw!r}")
+    if typ is int:
+        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+            raise UserError(f"--{key} expects an integer, got {raw!r}")
+        try:
+            return int(raw) if not isinstance(raw, str) else int(raw.replace("_", ""))
+        except ValueError:
+            try:  # allow 1e4-style integers
+                f = float(raw)
+            except ValueError:
+                f = math.nan
+            if f.is_integer():
+                return int(f)
+            raise UserError(f"--{key} expects an integer, got {raw!r}") from None
+    if typ is float:
+        if isinstance(raw, bool):
+            raise UserError(f"--{key} expects a number, got {raw!r}")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise UserError(f"--{key} expects a number, got {raw!r}") from None
+        if not math.isfinite(value):
+            raise UserError(f"--{key} must be a finite number, got {raw!r}")
+        return value
+    return str(raw)
+
+
+def split_argv(argv: Sequence[str], bool_keys: set[str]) -> list[tuple[str, str]]:
+    """Turn `--k=v`, `--k v` and bare boolean `--flag` into (key, raw value) pairs, in order."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise UserError(f"unexpected argument {arg!r} (settings are given as --key=value)")
+        body = arg[2:]
+        if "=" in body:
+            key, value = body.split("=", 1)
+        elif body in bool_keys and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+            key, value = body, "true"
+        elif body.startswith("no_") and body[3:] in bool_keys:
+            key, value = body[3:], "false"
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            key, value = body, argv[i + 1]
+            i += 1
+        else:
+            raise UserError(f"--{body} needs a value (use --{body}=VALUE)")
+        pairs.append((key.replace("-", "_"), value))
+        i += 1
+    return pairs
+
+
+def _unknown_key(key: str, valid: Sequence[str]) -> UserError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"did you mean --{close[0]}?" if close else "run with --help to list the settings"
+    return UserError(f"unknown setting --{key} ({hint})")
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Flat keys, or [model]/[train]/[sample] tables, from a TOML or JSON file (never executed)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {path} not found (pass an existing .toml or .json file)")
+    try:
+        if p.suffix == ".toml":
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        elif p.suffix == ".json":
+            data = json.loads(p.read_text(encoding="utf-8"))
+        else:
+            raise UserError(f"config file {path} must end in .toml or .json")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"config file {path} is not valid: {e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must hold a table of settings")
+    flat: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and k in ("model", "train", "sample"):
+            flat.update(v)
+        else:
+            flat[k] = v
+    return flat
+
+
+def build(classes: Sequence[type], argv: Sequence[str], default_preset: str | None = None
+          ) -> tuple[list[Any], set[str]]:
+    """Build one instance of each dataclass from preset, config file and command line, in that order.
+
+    Returns the instances and the set of keys the user set explicitly (file or command line), which
+    callers use to decide e.g. whether a checkpoint's value or the user's wins.
+    """
+    types: dict[str, Any] = {}
+    for cls in classes:
+        types.update(_field_types(cls))
+    valid = sorted(types) + ["preset", "config"]
+    pairs = split_argv(argv, {k for k, t in types.items() if t is bool})
+
+    values: dict[str, Any] = {}
+    preset = next((v for k, v in pairs if k == "preset"), default_preset)
+    if preset is not None:
+        if preset not in PRESETS:
+            close = difflib.get_close_matches(preset, list(PRESETS), n=1)
+            hint = f"did you mean {close[0]}?" if close else f"choose from {', '.join(PRESETS)}"
+            raise UserError(f"unknown preset {preset!r} ({hint})")
+        values.update({k: v for k, v in PRESETS[preset].items() if k in types})
+    explicit: set[str] = set()
+    for k, v in pairs:
+        if k == "config":
+            for fk, fv in read_config_file(v).items():
+                if fk not in types:
+                    raise _unknown_key(fk, valid)
+                values[fk] = parse_value(fk, fv, types[fk])
+                explicit.add(fk)
+    for k, v in pairs:
+        if k in ("preset", "config"):
+            continue
+        if k not in types:
+            raise _unknown_key(k, valid)
+        values[k] = parse_value(k, v, types[k])
+        explicit.add(k)
+    instances = [cls(**{k: v for k, v in values.items() if k in _field_types(cls)})
+                 for cls in classes]
+    return instances, explicit
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_choice(obj: Any, name: str) -> None:
+    value = getattr(obj, name)
+    if value not in _CHOICES[name]:
+        raise UserError(f"--{name}={value} is not valid (choose from {', '.join(_CHOICES[name])})")
+
+
+def _check_positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if v < 0 or (v == 0 and not allow_zero):
+            need = "zero or more" if allow_zero else "positive"
+            raise UserError(f"--{n}={v} must be {need}")
+
+
+def validate_model(m: ModelConfig) -> ModelConfig:
+    _check_positive(m, "vocab_size", "block_size", "n_layer", "n_head", "n_embd")
+    if m.n_embd % m.n_head:
+        raise UserError(f"--n_embd={m.n_embd} must be divisible by --n_head={m.n_head}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise UserError(f"--dropout={m.dropout} must be in [0, 1)")
+    for name in ("pos_embedding", "dtype", "attention", "remat"):
+        _check_choice(m, name)
+    if m.pos_embedding == "sinusoidal" and m.n_embd % 2:
+        raise UserError(f"--n_embd={m.n_embd} must be even for sinusoidal position embeddings")
+    return m
+
+
+def validate_train(t: TrainConfig) -> TrainConfig:
+    _check_positive(t, "batch_size", "gradient_accumulation_steps", "max_iters", "learning_rate",
+                    "eval_interval", "eval_iters", "log_interval", "keep_checkpoints")
+    _check_positive(t, "min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip",
+                    "ckpt_interval", allow_zero=True)
+    if t.min_lr > t.learning_rate:
+        raise UserError(f"--min_lr={t.min_lr} must not exceed --learning_rate={t.learning_rate}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(t, name) < 1.0:
+            raise UserError(f"--{name}={getattr(t, name)} must be in [0, 1)")
+    if not 0.0 < t.decay_fraction <= 1.0:
+        raise UserError(f"--decay_fraction={t.decay_fraction} must be in (0, 1]")
+    _check_choice(t, "lr_schedule")
+    if not t.out_dir:
+        raise UserError("--out_dir must not be empty")
+    return t
+
+
+def validate_sample(s: SampleConfig) -> SampleConfig:
+    if s.num_samples < 1:
+        raise UserError(f"--num_samples={s.num_samples} must be at least 1")
+    if s.max_new_tokens < 0:
+        raise UserError(f"--max_new_tokens={s.max_new_tokens} must be zero or more")
+    if s.temperature < 0:
+        raise UserError(f"--temperature={s.temperature} must be zero (greedy) or positive")
+    if s.top_k < 0:
+        raise UserError(f"--top_k={s.top_k} must be zero (off) or positive")
+    if not 0.0 < s.top_p <= 1.0:
+        raise UserError(f"--top_p={s.top_p} must be in (0, 1]")
+    if s.dtype not in _CHOICES["dtype"]:
+        raise UserError(f"--dtype={s.dtype} is not valid (choose from {', '.join(_CHOICES['dtype'])})")
+    return s
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    return dataclasses.asdict(obj)
+
+
+def model_from_dict(d: dict[str, Any]) -> ModelConfig:
+    """Rebuild a ModelConfig from JSON (a checkpoint's), ignoring keys this version does not know."""
+    known = {f.name for f in fields(ModelConfig)}
+    return validate_model(ModelConfig(**{k: v for k, v in d.items() if k in known}))
+
+
+def help_text(classes: Sequence[type]) -> str:
+    lines = ["settings (--key=value; --preset=NAME; --config=FILE.toml|json):",
+             f"  presets: {', '.join(PRESETS)}"]
+    for cls in classes:
+        for f in fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  --{f.name}={default!r}")
+    return "\n".join(lines)

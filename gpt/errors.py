@@ -1,0 +1,44 @@
+"""User-facing errors: one line, exit status 2, no traceback.
+
+Every command's `main` goes through `run_main`, so a mistake in the user's input never shows a
+Python traceback, while a genuine bug (any other exception) still does.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Sequence
+
+
+class UserError(Exception):
+    """A problem with the user's input; the message names it and how to fix it."""
+
+
+def fail(message: str) -> None:
+    """Print `error: message` on one line of stderr and exit with status 2."""
+    line = " ".join(str(message).split())
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def quiet_library_logs() -> None:
+    """Orbax and absl log warnings (e.g. about read-only managers) that are noise for our users."""
+    import logging
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    try:
+        from absl import logging as absl_logging
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    except ImportError:
+        pass
+
+
+def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | None = None) -> None:
+    """Run a command's main; turn UserError into one stderr line and exit status 2."""
+    quiet_library_logs()
+    try:
+        code = main(list(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

@@ -1,0 +1,173 @@
+"""Throughput and MFU, metrics.jsonl, TensorBoard events and the loss plot.
+
+MFU is reported against two ceilings: a matmul ceiling *measured on this device, in this dtype, in
+this run* (honest on any hardware, CPUs included) and the vendor's peak where we know it. The same
+functions serve `train.py` and `bench/train.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense bf16 peak TFLOP/s by device kind (substring match on jax's device_kind).
+VENDOR_PEAK_BF16 = {
+    "H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 125.0, "RTX 4090": 165.2,
+    "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6": 918.0,
+}
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    if d.platform == "cpu":
+        model = ""
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        return f"cpu: {model or 'unknown'} ({os.cpu_count()} cores)"
+    return f"{d.platform}: {d.device_kind}"
+
+
+def vendor_peak_tflops(dtype: str) -> float | None:
+    """The vendor's dense peak for this device, or None (CPUs, unknown chips, float32)."""
+    d = jax.devices()[0]
+    if d.platform == "cpu" or dtype != "bfloat16":
+        return None
+    kind = d.device_kind
+    for name, peak in VENDOR_PEAK_BF16.items():
+        if name.lower() in kind.lower():
+            return peak
+    return None
+
+
+def measure_matmul_tflops(dtype, n: int | None = None, reps: int = 10) -> float:
+    """Best achieved TFLOP/s of an n x n `a @ b` with float32 accumulation on one device."""
+    if n is None:
+        n = 1024 if jax.default_backend() == "cpu" else 8192
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
+    f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e12
+
+
+class Throughput:
+    """Tokens/s, achieved TFLOP/s and MFU from a FLOPs-per-token figure and measured ceilings."""
+
+    def __init__(self, flops_per_token: float, ceiling_tflops: float | None,
+                 vendor_tflops: float | None, n_devices: int = 1):
+        self.flops_per_token = flops_per_token
+        self.ceiling = ceiling_tflops
+        self.vendor = vendor_tflops
+        self.n_devices = n_devices
+
+    def __call__(self, tokens: int, seconds: float) -> dict[str, float | None]:
+        tps = tokens / max(seconds, 1e-9)
+        tflops = tps * self.flops_per_token / 1e12
+        per_device = tflops / self.n_devices
+        return {
+            "tokens_per_sec": tps,
+            "model_tflops": tflops,
+            "mfu": per_device / self.ceiling if self.ceiling else None,
+            "mfu_vendor": per_device / self.vendor if self.vendor else None,
+        }
+
+
+class MetricsLog:
+    """metrics.jsonl (one object per line), TensorBoard events and loss.png, on process 0 only."""
+
+    def __init__(self, out_dir: str | Path, resume_step: int | None = None, enabled: bool = True,
+                 tensorboard: bool = True):
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / "metrics.jsonl"
+        self.enabled = enabled
+        self.writer = None
+        if not enabled:
+            return
+        if resume_step is not None and self.path.exists():
+            # Drop lines from after the checkpoint we resume from: they will be recomputed exactly.
+            kept = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            _atomic_write(self.path, "".join(ln + "\n" for ln in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+                self.writer = SummaryWriter(str(self.out_dir), flush_secs=30)
+            except ImportError:  # optional: training works without it
+                self.writer = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            kind = record.get("kind", "eval")
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step" and v is not None:
+                    self.writer.add_scalar(f"{kind}/{k}", v, record["step"])
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+
+    def plot(self) -> None:
+        """Redraw loss.png from metrics.jsonl (train loss per log step, train/val loss per eval)."""
+        if not self.enabled:
+            return
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        recs = self.records()
+        train = [(r["step"], r["loss"]) for r in recs if r.get("kind") == "train"]
+        evals = [r for r in recs if r.get("kind", "eval") == "eval"]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if train:
+            ax.plot(*zip(*train), color="0.7", lw=1, label="train (batch)")
+        if evals:
+            steps = [r["step"] for r in evals]
+            ax.plot(steps, [r["train_loss"] for r in evals], "o-", label="train (eval)")
+            ax.plot(steps, [r["val_loss"] for r in evals], "o-", label="val")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        tmp = self.out_dir / ".loss.png.tmp"
+        fig.savefig(tmp, format="png", dpi=100)
+        plt.close(fig)
+        os.replace(tmp, self.out_dir / "loss.png")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def to_host(tree: Any) -> Any:
+    """Device scalars to Python floats (the only place training reads values back)."""
+    return jax.tree.map(lambda x: float(np.asarray(x)), tree)

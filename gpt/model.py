@@ -1,0 +1,277 @@
+"""GPT-2 style decoder-only Transformer in Flax NNX.
+
+Shapes are suffixed with their axes: B batch, T time (queries), S key/cache slots, D width, H heads,
+K head dim, F MLP width, V (padded) vocabulary, L layers.
+
+Two choices shape this file:
+- The per-layer parameters are stacked along a leading L axis and the layer loop is a `lax.scan`
+  (fully unrolled unless `scan_layers`). One parameter layout therefore serves both the fast-compile
+  scanned model and the unrolled one, checkpoints move between them, and sharding has one rule per
+  parameter.
+- Everything stateful is explicit: dropout takes a key argument and the KV cache is a pytree that goes
+  in and comes out. The model holds parameters only, so `nnx.split` gives a pure pytree of arrays.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gpt.config import ModelConfig
+
+NEG_INF = -1e30  # finite "minus infinity" for attention masks, so fully masked rows stay finite
+
+
+def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
+    if cfg.dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(cfg.dtype)
+
+
+class KVCache(NamedTuple):
+    """Preallocated keys/values of every layer plus where to write next.
+
+    `index` is the number of slots written (shared by all rows); rows of different prompt lengths are
+    left-padded, and `start_B` is each row's first real slot, so padding is never attended to and
+    positions count from the row's first real token.
+    """
+    k_LBSHK: jax.Array
+    v_LBSHK: jax.Array
+    index: jax.Array  # int32 scalar
+    start_B: jax.Array  # int32 [B]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, start_B: jax.Array | None = None,
+               dtype=None) -> KVCache:
+    shape = (cfg.n_layer, batch, max_len, cfg.n_head, cfg.head_dim)
+    dtype = dtype or compute_dtype(cfg)
+    start = jnp.zeros((batch,), jnp.int32) if start_B is None else jnp.asarray(start_B, jnp.int32)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.array(0, jnp.int32), start)
+
+
+# ----------------------------------------------------------------------------- pure building blocks
+
+
+def dense(x: jax.Array, w: jax.Array, spec: str, dtype) -> jax.Array:
+    """Matmul in the compute dtype with float32 accumulation and a float32 result."""
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5) -> jax.Array:
+    x = x.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + eps) * scale
+    return y + bias if bias is not None else y
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def sinusoidal(positions: jax.Array, dim: int) -> jax.Array:
+    """The fixed sin/cos position encoding of "Attention Is All You Need", interleaved."""
+    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    angles = positions[..., None].astype(jnp.float32) * inv_freq
+    return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(*positions.shape, dim)
+
+
+def attention_einsum(q_BTHK, k_BSHK, v_BSHK, mask_BTS, rate: float = 0.0, key=None) -> jax.Array:
+    """Reference attention: scaled scores, mask, float32 softmax, (dropout), weighted values."""
+    scale = 1.0 / math.sqrt(q_BTHK.shape[-1])
+    scores_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK,
+                             preferred_element_type=jnp.float32) * scale
+    scores_BHTS = jnp.where(mask_BTS[:, None], scores_BHTS, NEG_INF)
+    probs_BHTS = dropout(jax.nn.softmax(scores_BHTS, axis=-1), rate, key)
+    return jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK,
+                      preferred_element_type=jnp.float32)
+
+
+def attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, implementation: str | None) -> jax.Array:
+    """`jax.nn.dot_product_attention`: cuDNN flash attention on GPU, XLA elsewhere.
+
+    Without a mask it runs the causal kernel directly (the training path).
+    """
+    if mask_BTS is None:
+        out = jax.nn.dot_product_attention(q_BTHK, k_BSHK, v_BSHK, is_causal=True,
+                                           implementation=implementation)
+    else:
+        out = jax.nn.dot_product_attention(q_BTHK, k_BSHK, v_BSHK, mask=mask_BTS[:, None],
+                                           implementation=implementation)
+    return out.astype(jnp.float32)
+
+
+def causal_mask(T: int) -> jax.Array:
+    return jnp.tril(jnp.ones((T, T), bool))[None]
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def _value(p: nnx.Param | None):
+    return None if p is None else p[...]
+
+
+def _param(key, shape, std) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(key, shape, jnp.float32))
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm Transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, H, K, F = cfg.n_embd, cfg.n_head, cfg.head_dim, 4 * cfg.n_embd
+        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
+        zeros = lambda *s: nnx.Param(jnp.zeros(s, jnp.float32)) if cfg.bias else None
+        self.ln1_scale = nnx.Param(jnp.ones((D,), jnp.float32))
+        self.ln1_bias = zeros(D)
+        self.w_qkv = _param(rngs.params(), (D, 3, H, K), 0.02)
+        self.b_qkv = zeros(3, H, K)
+        self.w_o = _param(rngs.params(), (H, K, D), proj_std)
+        self.b_o = zeros(D)
+        self.ln2_scale = nnx.Param(jnp.ones((D,), jnp.float32))
+        self.ln2_bias = zeros(D)
+        self.w_fc = _param(rngs.params(), (D, F), 0.02)
+        self.b_fc = zeros(F)
+        self.w_proj = _param(rngs.params(), (F, D), proj_std)
+        self.b_proj = zeros(D)
+
+    def __call__(self, x_BTD, positions_BT, cache: KVCache | None, layer, cfg: ModelConfig, key):
+        dtype = compute_dtype(cfg)
+        bias = lambda b: 0.0 if b is None else b[...]
+        keys = jax.random.split(key, 3) if key is not None else (None, None, None)
+
+        h_BTD = layer_norm(x_BTD, self.ln1_scale[...], _value(self.ln1_bias))
+        qkv_BT3HK = dense(h_BTD, self.w_qkv[...], "btd,dchk->btchk", dtype) + bias(self.b_qkv)
+        q_BTHK, k_BTHK, v_BTHK = (qkv_BT3HK[:, :, i].astype(dtype) for i in range(3))
+        if cache is None:
+            k_BSHK, v_BSHK, mask_BTS = k_BTHK, v_BTHK, None
+        else:
+            cache, k_BSHK, v_BSHK, mask_BTS = _update_cache(cache, layer, k_BTHK, v_BTHK)
+        use_einsum = cfg.attention == "einsum" or (key is not None and cfg.dropout > 0)
+        if use_einsum:
+            T = q_BTHK.shape[1]
+            mask = causal_mask(T) if mask_BTS is None else mask_BTS
+            y_BTHK = attention_einsum(q_BTHK, k_BSHK, v_BSHK, mask, cfg.dropout, keys[0])
+        else:
+            impl = {"auto": None, "xla": "xla", "cudnn": "cudnn"}[cfg.attention]
+            y_BTHK = attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl)
+        attn_BTD = dense(y_BTHK, self.w_o[...], "bthk,hkd->btd", dtype) + bias(self.b_o)
+        x_BTD = x_BTD + dropout(attn_BTD, cfg.dropout, keys[1])
+
+        h_BTD = layer_norm(x_BTD, self.ln2_scale[...], _value(self.ln2_bias))
+        h_BTF = jax.nn.gelu(dense(h_BTD, self.w_fc[...], "btd,df->btf", dtype) + bias(self.b_fc),
+                            approximate=True)
+        mlp_BTD = dense(h_BTF, self.w_proj[...], "btf,fd->btd", dtype) + bias(self.b_proj)
+        return x_BTD + dropout(mlp_BTD, cfg.dropout, keys[2]), cache
+
+
+def _update_cache(cache: KVCache, layer, k_BTHK, v_BTHK):
+    """Write this call's keys/values at `cache.index` and return the layer's view and its mask."""
+    T = k_BTHK.shape[1]
+    at = (layer, 0, cache.index, 0, 0)
+    k_all = jax.lax.dynamic_update_slice(cache.k_LBSHK, k_BTHK[None].astype(cache.k_LBSHK.dtype), at)
+    v_all = jax.lax.dynamic_update_slice(cache.v_LBSHK, v_BTHK[None].astype(cache.v_LBSHK.dtype), at)
+    cache = cache._replace(k_LBSHK=k_all, v_LBSHK=v_all)
+    S = k_all.shape[2]
+    slot_S = jnp.arange(S)
+    query_slot_T = cache.index + jnp.arange(T)
+    mask_BTS = (slot_S[None, None, :] <= query_slot_T[None, :, None]) & \
+               (slot_S[None, None, :] >= cache.start_B[:, None, None])
+    return cache, k_all[layer], v_all[layer], mask_BTS
+
+
+def _stack_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """L independently initialised blocks merged into one Block whose arrays have a leading L axis."""
+    blocks = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)]
+    graphdef, _ = nnx.split(blocks[0])
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
+    return nnx.merge(graphdef, stacked)
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        D = cfg.n_embd
+        self.wte = _param(rngs.params(), (cfg.padded_vocab_size, D), 0.02)
+        self.wpe = _param(rngs.params(), (cfg.block_size, D), 0.02) \
+            if cfg.pos_embedding == "learned" else None
+        self.blocks = _stack_blocks(cfg, rngs)
+        self.lnf_scale = nnx.Param(jnp.ones((D,), jnp.float32))
+        self.lnf_bias = nnx.Param(jnp.zeros((D,), jnp.float32)) if cfg.bias else None
+
+    def __call__(self, idx_BT: jax.Array, *, cache: KVCache | None = None,
+                 dropout_key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+        """Logits [B, T, V_padded] in float32 (padded entries are -inf), and the updated cache.
+
+        With a cache, the tokens are written after the `cache.index` slots already filled and attend
+        to those slots; without one, attention is causal over `idx_BT` alone.
+        """
+        cfg = self.cfg
+        B, T = idx_BT.shape
+        if cache is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        else:
+            positions_BT = jnp.maximum(cache.index + jnp.arange(T)[None] - cache.start_B[:, None], 0)
+        x_BTD = self.wte[...][idx_BT]
+        if self.wpe is not None:
+            x_BTD = x_BTD + self.wpe[...][positions_BT]
+        else:
+            x_BTD = x_BTD + sinusoidal(positions_BT, cfg.n_embd)
+        keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+        x_BTD = dropout(x_BTD, cfg.dropout, keys[0])
+
+        graphdef, state = nnx.split(self.blocks)
+
+        def body(carry, xs):
+            x_BTD, cache = carry
+            layer_state, layer = xs
+            key = None if keys[1] is None else jax.random.fold_in(keys[1], layer)
+            x_BTD, cache = nnx.merge(graphdef, layer_state)(x_BTD, positions_BT, cache, layer, cfg, key)
+            return (x_BTD, cache), None
+
+        if cfg.remat == "block":
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+        elif cfg.remat == "dots":
+            body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        L = cfg.n_layer
+        (x_BTD, cache), _ = jax.lax.scan(body, (x_BTD, cache), (state, jnp.arange(L)),
+                                         unroll=1 if cfg.scan_layers else L)
+        if cache is not None:
+            cache = cache._replace(index=cache.index + T)
+
+        x_BTD = layer_norm(x_BTD, self.lnf_scale[...], _value(self.lnf_bias))
+        logits_BTV = dense(x_BTD, self.wte[...], "btd,vd->btv", compute_dtype(cfg))
+        valid_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
+        return jnp.where(valid_V, logits_BTV, -jnp.inf), cache
+
+
+# ----------------------------------------------------------------------------- sizes and FLOPs
+
+
+def num_params(cfg: ModelConfig, *, include_position: bool = True) -> int:
+    """Parameter count without vocabulary padding (what transformers reports for GPT-2)."""
+    D, L, F = cfg.n_embd, cfg.n_layer, 4 * cfg.n_embd
+    b = 1 if cfg.bias else 0
+    per_block = (D * 3 * D + b * 3 * D) + (D * D + b * D) + (D * F + b * F) + (F * D + b * D) \
+        + 2 * (D + b * D)
+    total = cfg.vocab_size * D + L * per_block + (D + b * D)
+    if include_position and cfg.pos_embedding == "learned":
+        total += cfg.block_size * D
+    return total
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: 6N + 12*L*T*D (PaLM, appendix B).
+
+    N excludes the position embeddings and the vocabulary padding; the tied token embedding counts
+    once, for the LM head's matmul (nanoGPT's convention). Padding is wasted work, not model work.
+    """
+    T = seq_len or cfg.block_size
+    return 6 * num_params(cfg, include_position=False) + 12 * cfg.n_layer * T * cfg.n_embd

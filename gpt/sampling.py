@@ -1,0 +1,240 @@
+"""KV-cached autoregressive sampling with temperature, top-k and renormalized top-p.
+
+`prefill` runs the (left-padded) prompts through the model once, filling a preallocated cache
+[L, B, S, H, K]; `decode` then generates one token per step attending to the cache, inside a
+`lax.scan`, so nothing is retraced per token. Both are pure functions of arrays, usable inside other
+JAX code; `Sampler` jits them once per settings and decodes in chunks for streaming.
+
+Past `block_size` the sampler does what nanoGPT does: every new token is conditioned on exactly the
+last `block_size` tokens at positions 0..block_size-1. Learned positions shift with each token, so
+the cache cannot be reused then; those steps recompute the window (a `lax.cond` branch).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gpt.model import GPT, KVCache, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int = 100
+    temperature: float = 1.0  # 0: greedy (argmax)
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    eot_id: int | None = None  # generation of a row stops after it emits this token
+
+
+# ----------------------------------------------------------------------------- filters
+
+
+def filter_logits(logits_BV: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """Logits / temperature, then top-k, then top-p; removed entries become -inf.
+
+    top-k keeps exactly k entries (ties broken by lower index); top-p keeps the smallest set of the
+    most likely tokens whose probability reaches p. A softmax of the result is the renormalized
+    distribution the sampler draws from.
+    """
+    logits_BV = logits_BV.astype(jnp.float32) / temperature
+    B, V = logits_BV.shape
+    rows = jnp.arange(B)[:, None]
+    if 0 < top_k < V:
+        _, idx_Bk = jax.lax.top_k(logits_BV, top_k)
+        keep_BV = jnp.zeros((B, V), bool).at[rows, idx_Bk].set(True)
+        logits_BV = jnp.where(keep_BV, logits_BV, -jnp.inf)
+    if top_p < 1.0:
+        order_BV = jnp.argsort(-logits_BV, axis=-1, stable=True)
+        probs_BV = jax.nn.softmax(jnp.take_along_axis(logits_BV, order_BV, axis=-1), axis=-1)
+        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass of strictly more likely tokens
+        keep_sorted_BV = before_BV < top_p
+        keep_BV = jnp.zeros((B, V), bool).at[rows, order_BV].set(keep_sorted_BV)
+        logits_BV = jnp.where(keep_BV, logits_BV, -jnp.inf)
+    return logits_BV
+
+
+def sample_token(key: jax.Array, logits_BV: jax.Array, s: SamplingSettings) -> jax.Array:
+    if s.temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    filtered = filter_logits(logits_BV, s.temperature, s.top_k, s.top_p)
+    return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class DecodeState(NamedTuple):
+    tokens_BN: jax.Array  # left-padded prompt followed by generated tokens
+    start_B: jax.Array  # first real token of each row in tokens_BN
+    cache: KVCache
+    next_logits_BV: jax.Array  # the model's prediction for position `pos`
+    pos: jax.Array  # int32: where the next token goes in tokens_BN
+    done_B: jax.Array  # rows that emitted the end-of-text token
+    key: jax.Array
+
+
+def _window_logits(model: GPT, tokens_BN: jax.Array, start_B: jax.Array, end: jax.Array,
+                   dtype) -> jax.Array:
+    """Next-token logits conditioned on the last block_size tokens before `end` (nanoGPT's crop)."""
+    W = model.cfg.block_size
+    B = tokens_BN.shape[0]
+    first = end - W
+    window_BW = jax.lax.dynamic_slice(tokens_BN, (0, first), (B, W))
+    cache = init_cache(model.cfg, B, W, jnp.clip(start_B - first, 0, W - 1), dtype)
+    logits_BWV, _ = model(window_BW, cache=cache)
+    return logits_BWV[:, -1]
+
+
+def prefill(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, key: jax.Array,
+            max_new_tokens: int, cache_dtype=None) -> DecodeState:
+    """Fill the cache with the prompts (left-padded; row b's real tokens start at start_B[b])."""
+    B, P = prompt_BP.shape
+    W = model.cfg.block_size
+    P0 = min(P, W)  # a longer prompt is cropped to its last block_size tokens
+    S = min(P + max_new_tokens, W)
+    N = P + max_new_tokens
+    tokens_BN = jnp.zeros((B, N), jnp.int32).at[:, :P].set(prompt_BP.astype(jnp.int32))
+    start_B = start_B.astype(jnp.int32)
+    cache = init_cache(model.cfg, B, S, jnp.clip(start_B - (P - P0), 0, S - 1), cache_dtype)
+    logits_BPV, cache = model(prompt_BP[:, P - P0:], cache=cache)
+    return DecodeState(tokens_BN, start_B, cache, logits_BPV[:, -1], jnp.array(P, jnp.int32),
+                       jnp.zeros((B,), bool), key)
+
+
+def decode(model: GPT, state: DecodeState, n_steps: int, s: SamplingSettings) -> DecodeState:
+    """Generate `n_steps` tokens into state.tokens_BN; rows that emitted eot keep emitting eot."""
+    S = state.cache.k_LBSHK.shape[2]
+    overflow_possible = state.tokens_BN.shape[1] > model.cfg.block_size
+    dtype = state.cache.k_LBSHK.dtype
+
+    def step(st: DecodeState, _):
+        key, sub = jax.random.split(st.key)
+        tok_B = sample_token(sub, st.next_logits_BV, s)
+        if s.eot_id is not None:
+            tok_B = jnp.where(st.done_B, s.eot_id, tok_B)
+            done_B = st.done_B | (tok_B == s.eot_id)
+        else:
+            done_B = st.done_B
+        tokens_BN = jax.lax.dynamic_update_slice(st.tokens_BN, tok_B[:, None], (0, st.pos))
+
+        def cached(_):
+            logits_B1V, cache = model(tok_B[:, None], cache=st.cache)
+            return logits_B1V[:, -1], cache
+
+        def recompute(_):
+            return _window_logits(model, tokens_BN, st.start_B, st.pos + 1, dtype), st.cache
+
+        if overflow_possible:
+            next_logits, cache = jax.lax.cond(st.cache.index < S, cached, recompute, None)
+        else:
+            next_logits, cache = cached(None)
+        return DecodeState(tokens_BN, st.start_B, cache, next_logits, st.pos + 1, done_B, key), None
+
+    state, _ = jax.lax.scan(step, state, None, length=n_steps)
+    return state
+
+
+def generate(model: GPT, prompt_BP: jax.Array, key: jax.Array, s: SamplingSettings,
+             start_B: jax.Array | None = None) -> jax.Array:
+    """Pure: left-padded prompts [B, P] -> tokens [B, P + max_new_tokens] (jit-able, static `s`)."""
+    if start_B is None:
+        start_B = jnp.zeros((prompt_BP.shape[0],), jnp.int32)
+    state = prefill(model, prompt_BP, start_B, key, s.max_new_tokens)
+    return decode(model, state, s.max_new_tokens, s).tokens_BN
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Rows of different lengths -> ([B, P] left-padded ids, [B] index of each row's first token)."""
+    P = max(len(p) for p in prompts)
+    rows = [[pad_id] * (P - len(p)) + list(p) for p in prompts]
+    return jnp.array(rows, jnp.int32), jnp.array([P - len(p) for p in prompts], jnp.int32)
+
+
+class Sampler:
+    """Jit-compiled prefill and chunked decode for one model and one set of sampling settings."""
+
+    def __init__(self, model: GPT, settings: SamplingSettings, chunk: int = 16):
+        self.graphdef, self.params = nnx.split(model)
+        self.settings = settings
+        self.chunk = chunk
+        self.cfg = model.cfg
+        gd = self.graphdef
+
+        def _prefill(params, prompt_BP, start_B, key):
+            return prefill(nnx.merge(gd, params), prompt_BP, start_B, key, settings.max_new_tokens)
+
+        def _decode(params, state, n):
+            return decode(nnx.merge(gd, params), state, n, settings)
+
+        self._prefill = jax.jit(_prefill)
+        self._decode = jax.jit(_decode, static_argnums=2, donate_argnums=1)
+
+    def start(self, prompts: list[list[int]], key: jax.Array) -> DecodeState:
+        prompt_BP, start_B = left_pad(prompts)
+        return self._prefill(self.params, prompt_BP, start_B, key)
+
+    def chunks(self, state: DecodeState):
+        """Yield the state after each chunk of decoded tokens (for streaming)."""
+        left = self.settings.max_new_tokens
+        while left > 0:
+            n = min(self.chunk, left)
+            state = self._decode(self.params, state, n)
+            left -= n
+            yield state
+            if self.settings.eot_id is not None and bool(jnp.all(state.done_B)):
+                return
+
+    def generate(self, prompts: list[list[int]], key: jax.Array) -> list[list[int]]:
+        """Generated ids of each row (prompt excluded, cut after the end-of-text token)."""
+        state = self.start(prompts, key)
+        for state in self.chunks(state):
+            pass
+        return self.new_tokens(state, prompts)
+
+    def new_tokens(self, state: DecodeState, prompts: list[list[int]]) -> list[list[int]]:
+        P = max(len(p) for p in prompts)
+        out = []
+        for row in jax.device_get(state.tokens_BN[:, P:int(state.pos)]).tolist():
+            if self.settings.eot_id is not None and self.settings.eot_id in row:
+                row = row[:row.index(self.settings.eot_id) + 1]
+            out.append(row)
+        return out
+
+
+def full_recompute_generate(model: GPT, prompt: list[int], key: jax.Array, s: SamplingSettings
+                            ) -> list[int]:
+    """The no-cache baseline (nanoGPT's loop): re-run the whole (cropped) context for every token.
+
+    Used by tests as the reference and by bench/sample.py as the baseline.
+    """
+    W = model.cfg.block_size
+    gd, params = nnx.split(model)
+
+    @jax.jit
+    def next_logits(params, ctx_BT, last):
+        logits, _ = nnx.merge(gd, params)(ctx_BT)
+        return logits[:, last]
+
+    ids = list(prompt)
+    for _ in range(s.max_new_tokens):
+        ctx = ids[-W:]
+        # Right-pad to a multiple of 32 so lengths share compilations; causal attention means the
+        # padding cannot change the logits at the last real position.
+        padded = min(-(-len(ctx) // 32) * 32, W)
+        ctx_BT = jnp.array([ctx + [0] * (padded - len(ctx))], jnp.int32)
+        key, sub = jax.random.split(key)
+        tok = int(sample_token(sub, next_logits(params, ctx_BT, len(ctx) - 1), s)[0])
+        ids.append(tok)
+        if s.eot_id is not None and tok == s.eot_id:
+            break
+    return ids[len(prompt):]
+
+
+def settings_from(cfg: Any, eot_id: int | None) -> SamplingSettings:
+    """SamplingSettings from a SampleConfig (top_k beyond the vocabulary is checked by the caller)."""
+    return SamplingSettings(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                            top_k=cfg.top_k, top_p=cfg.top_p, eot_id=eot_id)

@@ -1,0 +1,172 @@
+"""Device mesh, parameter partitioning and global batches (data parallel, FSDP, tensor parallel).
+
+Everything goes through `jax.jit` with `NamedSharding`s over one `jax.make_mesh` mesh with the axes
+(data, fsdp, tensor); XLA's SPMD partitioner inserts the collectives. Each parameter has logical axes
+(below); tensor parallelism maps heads/MLP width/vocabulary to `tensor` (Megatron style) and FSDP
+shards each matrix's largest remaining dimension over `fsdp`. Optimizer state follows its parameter.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from gpt.config import ModelConfig
+from gpt.errors import UserError
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Logical axes of each parameter, by name (blocks' arrays carry a leading "layers" axis).
+LOGICAL = {
+    "wte": ("vocab", "embed"),
+    "wpe": (None, "embed"),
+    "lnf_scale": ("embed",), "lnf_bias": ("embed",),
+    "ln1_scale": ("layers", "embed"), "ln1_bias": ("layers", "embed"),
+    "ln2_scale": ("layers", "embed"), "ln2_bias": ("layers", "embed"),
+    "w_qkv": ("layers", "embed", None, "heads", None), "b_qkv": ("layers", None, "heads", None),
+    "w_o": ("layers", "heads", None, "embed"), "b_o": ("layers", "embed"),
+    "w_fc": ("layers", "embed", "mlp"), "b_fc": ("layers", "mlp"),
+    "w_proj": ("layers", "mlp", "embed"), "b_proj": ("layers", "embed"),
+}
+TENSOR_LOGICAL = ("heads", "mlp", "vocab")
+
+
+def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
+    """`data:2,fsdp:4` -> {"data": 2, "fsdp": 4, "tensor": 1}; empty -> all devices on data."""
+    sizes = {a: 1 for a in AXES}
+    if not spec:
+        sizes["data"] = n_devices
+        return sizes
+    for part in spec.split(","):
+        name, _, size = part.partition(":")
+        name = name.strip()
+        if name not in AXES:
+            raise UserError(f"--mesh: unknown axis {name!r} (use data, fsdp and tensor, e.g. "
+                            f"--mesh=data:2,fsdp:4)")
+        try:
+            sizes[name] = int(size)
+        except ValueError:
+            raise UserError(f"--mesh: axis {name} needs a size, e.g. {name}:2 (got {part!r})") from None
+        if sizes[name] < 1:
+            raise UserError(f"--mesh: axis {name} must have a positive size (got {sizes[name]})")
+    total = math.prod(sizes.values())
+    if total != n_devices:
+        raise UserError(f"--mesh={spec} uses {total} devices but {n_devices} are available "
+                        f"(make the sizes multiply to {n_devices})")
+    return sizes
+
+
+def make_mesh(spec: str = "") -> Mesh:
+    sizes = parse_mesh(spec, jax.device_count())
+    return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def check_divisibility(cfg: ModelConfig, mesh: Mesh, global_batch: int) -> None:
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    if global_batch % dp:
+        raise UserError(f"--batch_size={global_batch} is not divisible by the data-parallel degree "
+                        f"{dp} (data x fsdp); use a multiple of {dp}")
+    tp = mesh.shape["tensor"]
+    if cfg.n_head % tp:
+        raise UserError(f"--n_head={cfg.n_head} is not divisible by the tensor-parallel degree {tp}")
+    if (4 * cfg.n_embd) % tp:
+        raise UserError(f"the MLP width {4 * cfg.n_embd} is not divisible by the tensor-parallel "
+                        f"degree {tp}")
+
+
+def param_spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """PartitionSpec of one parameter from its logical axes and the mesh sizes."""
+    logical = LOGICAL[name]
+    spec: list[Any] = [None] * len(shape)
+    tp, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
+    for i, ax in enumerate(logical):
+        if ax in TENSOR_LOGICAL and tp > 1 and shape[i] % tp == 0:
+            spec[i] = "tensor"
+    matrix_dims = [i for i, ax in enumerate(logical) if ax != "layers"]
+    if fsdp > 1 and len(matrix_dims) >= 2:
+        free = [i for i in matrix_dims if spec[i] is None and shape[i] % fsdp == 0]
+        if free:
+            spec[max(free, key=lambda i: shape[i])] = "fsdp"
+    return P(*spec)
+
+
+def _leaf_name(path) -> str:
+    return str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1])))
+
+
+def param_shardings(params: Any, mesh: Mesh) -> Any:
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh)), params)
+
+
+def like_params(tree: Any, params_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for a pytree (optimizer state) whose leaves mirror parameters, or are scalars."""
+    by_shape_name: dict[tuple, NamedSharding] = {}
+    for path, s in jax.tree_util.tree_flatten_with_path(params_shardings)[0]:
+        by_shape_name[_leaf_name(path)] = s
+
+    def pick(path, x):
+        name = _leaf_name(path)
+        if name in by_shape_name and getattr(x, "ndim", 0) == len(by_shape_name[name].spec):
+            return by_shape_name[name]
+        return NamedSharding(mesh, P())
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Rows over data x fsdp; with gradient accumulation the leading micro-batch axis is unsharded."""
+    lead = [None] * (ndim - 2)
+    return NamedSharding(mesh, P(*lead, BATCH_AXES, None))
+
+
+def global_batch(local: np.ndarray, sharding: NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:
+    """Assemble a global array from this process's rows (the whole batch on a single process)."""
+    return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+
+def state_bytes(tree: Any) -> tuple[int, int]:
+    """(total bytes, bytes on the most loaded device) of a pytree of arrays."""
+    total, per_device = 0, {}
+    for x in jax.tree.leaves(tree):
+        total += x.size * x.dtype.itemsize
+        for shard in x.addressable_shards:
+            d = shard.device
+            per_device[d] = per_device.get(d, 0) + shard.data.size * shard.data.dtype.itemsize
+    return total, max(per_device.values(), default=0)
+
+
+def init_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1,
+                     timeout_s: int = 120) -> None:
+    """`jax.distributed.initialize`, auto-detected on TPU/SLURM or explicit; a clear error on failure."""
+    kwargs: dict[str, Any] = {}
+    if coordinator_address:
+        if num_processes < 1 or process_id < 0:
+            raise UserError("--coordinator_address needs --num_processes=N and --process_id=I")
+        if not 0 <= process_id < num_processes:
+            raise UserError(f"--process_id={process_id} must be in [0, {num_processes})")
+        kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                      process_id=process_id)
+    try:
+        jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
+    except Exception as e:  # noqa: BLE001 - jax raises several types for an unreachable coordinator
+        where = coordinator_address or os.environ.get("SLURM_JOB_ID", "auto-detected coordinator")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"could not join the distributed job at {where} within {timeout_s}s "
+                        f"({first[:200]}); check --coordinator_address and that every process "
+                        f"was started") from None
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0
+
+
+def log(msg: str) -> None:
+    if is_main_process():
+        print(msg, file=sys.stderr, flush=True)

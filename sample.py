@@ -1,0 +1,100 @@
+"""Sample from a trained model: `python sample.py --prompt "ROMEO:" [--key=value ...]`."""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from gpt.errors import UserError, run_main
+
+
+def read_prompt(cfg, tokenizer) -> list[int]:
+    text = cfg.prompt
+    if cfg.prompt_file:
+        try:
+            text = open(cfg.prompt_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read --prompt_file={cfg.prompt_file}: {e.__class__.__name__}: "
+                            f"{e}") from None
+    ids = tokenizer.encode(text) if text else []
+    if not ids:
+        if tokenizer.eot_id is not None:
+            ids = [tokenizer.eot_id]
+            print("note: empty prompt; starting from the end-of-text token", file=sys.stderr)
+        else:
+            ids = tokenizer.encode("\n")
+            print("note: empty prompt; starting from a newline", file=sys.stderr)
+    return ids
+
+
+def main(argv: Sequence[str]) -> int:
+    from gpt.config import SampleConfig, build, help_text, validate_sample
+    if "-h" in argv or "--help" in argv:
+        print(help_text([SampleConfig]))
+        return 0
+    (cfg,), explicit = build([SampleConfig], argv)
+    validate_sample(cfg)
+    if "prompt" in explicit and "prompt_file" in explicit:
+        raise UserError("give either --prompt or --prompt_file, not both")
+
+    import jax
+
+    from gpt.checkpoint import load_model
+    from gpt.sampling import Sampler, settings_from
+
+    model, meta, tok = load_model(cfg.out_dir, cfg.dtype)
+    if cfg.top_k > model.cfg.vocab_size:
+        if "top_k" in explicit:
+            raise UserError(f"--top_k={cfg.top_k} exceeds the vocabulary ({model.cfg.vocab_size} "
+                            f"tokens); use at most {model.cfg.vocab_size}, or 0 to disable")
+        cfg.top_k = 0  # the default (200) keeps the whole of a small vocabulary
+    prompt = read_prompt(cfg, tok)
+    if len(prompt) + cfg.max_new_tokens > model.cfg.block_size:
+        print(f"note: prompt + new tokens ({len(prompt) + cfg.max_new_tokens}) exceed block_size "
+              f"{model.cfg.block_size}; conditioning on the last {model.cfg.block_size} tokens "
+              f"as nanoGPT does", file=sys.stderr)
+    sampler = Sampler(model, settings_from(cfg, tok.eot_id))
+    stream = cfg.stream and cfg.num_samples == 1
+    state = sampler.start([prompt] * cfg.num_samples, jax.random.key(cfg.seed))
+    prompt_text = tok.decode(prompt)
+    hold = max((len(s) for s in cfg.stop), default=1) - 1  # a stop string may straddle chunks
+
+    def texts(state) -> list[tuple[str, bool]]:
+        """Each row's new text, cut at a stop string or end-of-text, and whether it has ended."""
+        out = []
+        for row in sampler.new_tokens(state, [prompt] * cfg.num_samples):
+            ended = tok.eot_id is not None and bool(row) and row[-1] == tok.eot_id
+            text = tok.decode(row[:-1] if ended else row)
+            cut = min((text.find(s) for s in cfg.stop if s in text), default=-1)
+            out.append((text[:cut], True) if cut >= 0 else (text, ended))
+        return out
+
+    if stream:
+        sys.stdout.write(prompt_text)
+        printed = 0
+        for state in sampler.chunks(state):
+            (text, stopped), = texts(state)
+            # Hold back what might be the start of a stop string or of a multi-byte character.
+            safe = len(text) if stopped else len(text.rstrip("\ufffd")) - hold
+            if safe > printed:
+                sys.stdout.write(text[printed:safe])
+                sys.stdout.flush()
+                printed = safe
+            if stopped:
+                break
+        (text, _), = texts(state)
+        sys.stdout.write(text[printed:] + "\n")
+        return 0
+    final = None
+    for final in sampler.chunks(state):
+        if all(stopped for _, stopped in texts(final)):
+            break
+    results = texts(final if final is not None else state)
+    for i, (text, _) in enumerate(results):
+        if i:
+            print("---------------")
+        print(prompt_text + text)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, sys.argv[1:])

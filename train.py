@@ -1,0 +1,33 @@
+"""Train a GPT: `python train.py [--preset=NAME] [--key=value ...]` (see README.md)."""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from gpt.errors import run_main
+
+
+def main(argv: Sequence[str]) -> int:
+    from gpt.config import ModelConfig, TrainConfig, build, help_text, validate_model, validate_train
+    if "-h" in argv or "--help" in argv:
+        print(help_text([ModelConfig, TrainConfig]))
+        return 0
+    (model_cfg, train_cfg), explicit = build([ModelConfig, TrainConfig], argv, default_preset="default")
+    validate_model(model_cfg)
+    validate_train(train_cfg)
+    from gpt import sharding
+    if train_cfg.distributed or train_cfg.coordinator_address:
+        sharding.init_distributed(train_cfg.coordinator_address, train_cfg.num_processes,
+                                  train_cfg.process_id)
+    from gpt import train
+    setup = train.prepare_setup(model_cfg, train_cfg, explicit)
+    summary = train.train(setup)
+    if "val_loss" in summary:
+        sharding.log(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f}, "
+                     f"best {summary['best_val_loss']:.4f}, {summary['elapsed_sec']:.0f}s; "
+                     f"checkpoints in {train_cfg.out_dir}/checkpoints")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main, sys.argv[1:])
