@@ -1,0 +1,455 @@
+"""Hugging Face GPT-2 <-> our checkpoints.
+
+    python -m gpt.convert --from_hf HF_DIR --out_dir OUT [--overwrite]
+    python -m gpt.convert --to_hf --out_dir OUT --hf_dir HF_DIR [--overwrite]
+
+A Hugging Face GPT-2 directory is `config.json` + `model.safetensors` (GPT2LMHeadModel). Weights are
+read with safetensors only: pickle files (`pytorch_model.bin`) can run arbitrary code when loaded,
+so they are never opened.
+
+Layout (HF's Conv1D weights are [in, out], the same orientation as ours):
+    wte [V, D]             <-> wte [V_padded, D] (padded rows are zero; dropped on export)
+    wpe [P, D]             <-> wpe [block_size, D]
+    h.i.ln_1.{weight,bias} <-> blocks.ln1_{scale,bias}[i]
+    h.i.attn.c_attn.weight [D, 3D] (q|k|v, each head-major H*K) <-> w_qkv[i] [D, 3, H, K]
+    h.i.attn.c_attn.bias   [3D]    <-> b_qkv[i] [3, H, K]
+    h.i.attn.c_proj.weight [H*K, D] <-> w_o[i] [H, K, D];  .bias <-> b_o[i]
+    h.i.ln_2.*             <-> blocks.ln2_*[i]
+    h.i.mlp.c_fc.*  [D, 4D] <-> w_fc / b_fc;  h.i.mlp.c_proj.* [4D, D] <-> w_proj / b_proj
+    ln_f.*                 <-> lnf_{scale,bias}
+    lm_head.weight         tied to wte (absent from HF's own safetensors files)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from gpt.config import ModelConfig, to_dict, validate_model
+from gpt.errors import UserError, run_main
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation our model uses
+GPT2_VOCAB = 50257
+GPT2_EOT = 50256
+_UNSET = object()
+
+# HF name suffix per layer (after "h.{i}.") -> our blocks key.
+_LAYER_KEYS = {
+    "ln_1.weight": "ln1_scale", "ln_1.bias": "ln1_bias",
+    "attn.c_attn.weight": "w_qkv", "attn.c_attn.bias": "b_qkv",
+    "attn.c_proj.weight": "w_o", "attn.c_proj.bias": "b_o",
+    "ln_2.weight": "ln2_scale", "ln_2.bias": "ln2_bias",
+    "mlp.c_fc.weight": "w_fc", "mlp.c_fc.bias": "b_fc",
+    "mlp.c_proj.weight": "w_proj", "mlp.c_proj.bias": "b_proj",
+}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor we need from an HF GPT-2 file (without prefix) and its shape."""
+    D, V, P = cfg.n_embd, cfg.vocab_size, cfg.block_size
+    per_layer = {
+        "ln_1.weight": (D,), "ln_1.bias": (D,),
+        "attn.c_attn.weight": (D, 3 * D), "attn.c_attn.bias": (3 * D,),
+        "attn.c_proj.weight": (D, D), "attn.c_proj.bias": (D,),
+        "ln_2.weight": (D,), "ln_2.bias": (D,),
+        "mlp.c_fc.weight": (D, 4 * D), "mlp.c_fc.bias": (4 * D,),
+        "mlp.c_proj.weight": (4 * D, D), "mlp.c_proj.bias": (D,),
+    }
+    shapes = {"wte.weight": (V, D), "wpe.weight": (P, D)}
+    for i in range(cfg.n_layer):
+        shapes.update({f"h.{i}.{k}": s for k, s in per_layer.items()})
+    shapes.update({"ln_f.weight": (D,), "ln_f.bias": (D,)})
+    return shapes
+
+
+def _read_hf_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not a valid JSON config ({' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a JSON object (a Hugging Face model config)")
+    return data
+
+
+def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """Our ModelConfig from a Hugging Face GPT-2 config dict; anything we cannot run is a UserError."""
+    model_type = hf.get("model_type")
+    if model_type != "gpt2":
+        arch = ", ".join(hf.get("architectures") or []) or "unknown architecture"
+        raise UserError(f"{where} describes model_type {model_type!r} ({arch}); only Hugging Face "
+                        f"GPT-2 models (model_type 'gpt2', GPT2LMHeadModel) can be converted")
+
+    def get_int(*names: str) -> int:
+        for n in names:
+            v = hf.get(n)
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                    raise UserError(f"{where}: {n}={v!r} must be a positive integer")
+                return v
+        raise UserError(f"{where} has no {names[0]} (not a complete GPT-2 config)")
+
+    n_embd, n_layer, n_head = get_int("n_embd"), get_int("n_layer"), get_int("n_head")
+    block_size, vocab_size = get_int("n_positions", "n_ctx"), get_int("vocab_size")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in GELU_TANH:
+        raise UserError(f"{where}: activation_function {act!r} is not supported; this model uses the "
+                        f"tanh-approximate GELU ({' or '.join(GELU_TANH)})")
+    eps = hf.get("layer_norm_epsilon", 1e-5)
+    if not isinstance(eps, (int, float)) or not math.isclose(eps, 1e-5, rel_tol=1e-6):
+        raise UserError(f"{where}: layer_norm_epsilon {eps!r} is not supported (only 1e-5, GPT-2's)")
+    n_inner = hf.get("n_inner")
+    if n_inner is not None and n_inner != 4 * n_embd:
+        raise UserError(f"{where}: n_inner={n_inner} is not supported (the MLP width must be "
+                        f"4 * n_embd = {4 * n_embd})")
+    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                      ("add_cross_attention", False)):
+        if hf.get(key, want) != want:
+            raise UserError(f"{where}: {key}={hf[key]!r} is not supported (GPT-2 uses {want})")
+    cfg = ModelConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                      n_embd=n_embd, dropout=0.0, bias=True, pos_embedding="learned")
+    try:
+        return validate_model(cfg)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def hf_config(cfg: ModelConfig, eot_id: Any = _UNSET) -> dict[str, Any]:
+    """A GPT2Config dict for `cfg` (what GPT2LMHeadModel.save_pretrained writes)."""
+    if eot_id is _UNSET:
+        eot_id = GPT2_EOT if cfg.vocab_size == GPT2_VOCAB else cfg.vocab_size - 1
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "activation_function": "gelu_new",
+        "attn_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "resid_pdrop": cfg.dropout,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+        "initializer_range": 0.02,
+        "layer_norm_epsilon": 1e-5,
+        "n_ctx": cfg.block_size,
+        "n_positions": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_head": cfg.n_head,
+        "n_inner": None,
+        "n_layer": cfg.n_layer,
+        "vocab_size": cfg.vocab_size,
+        "reorder_and_upcast_attn": False,
+        "scale_attn_by_inverse_layer_idx": False,
+        "scale_attn_weights": True,
+        "summary_activation": None,
+        "summary_first_dropout": 0.1,
+        "summary_proj_to_labels": True,
+        "summary_type": "cls_index",
+        "summary_use_proj": True,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _open_weights(d: Path) -> dict[str, Any]:
+    """name -> (file, safetensors handle) for every tensor in the directory's safetensors file(s)."""
+    from safetensors import safe_open
+
+    if (d / WEIGHTS_FILE).is_file():
+        files = [d / WEIGHTS_FILE]
+    elif (d / INDEX_FILE).is_file():
+        index = _read_hf_config(d / INDEX_FILE)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{d / INDEX_FILE} has no weight_map (not a safetensors index)")
+        files = [d / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise UserError(f"{f} (named in {INDEX_FILE}) is missing; download it too")
+    else:
+        pickles = [p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack")
+                   for p in sorted(d.glob(pattern))]
+        if pickles:
+            raise UserError(
+                f"{d} has no {WEIGHTS_FILE}, only {', '.join(pickles[:3])}: pickle and other non-safetensors "
+                f"files are not read "
+                f"(loading them can run arbitrary code); make safetensors in a trusted environment with "
+                f"GPT2LMHeadModel.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True) "
+                f"or download model.safetensors from the Hub")
+        raise UserError(f"{d} has no {WEIGHTS_FILE}; download the model's safetensors weights "
+                        f"(config.json + model.safetensors)")
+    handles: dict[str, Any] = {}
+    for f in files:
+        try:
+            h = safe_open(str(f), framework="numpy")
+            for k in h.keys():
+                handles[k] = h
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise UserError(f"{f} is not a readable safetensors file "
+                            f"({' '.join(str(e).split())[:160]}); download it again") from None
+    return handles
+
+
+def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """Read a Hugging Face GPT-2 directory: (ModelConfig, our parameters as float32 numpy arrays)."""
+    d = Path(hf_dir)
+    if not d.is_dir():
+        raise UserError(f"Hugging Face model directory {d} does not exist (pass a directory with "
+                        f"config.json and model.safetensors)")
+    if not (d / CONFIG_FILE).is_file():
+        raise UserError(f"{d} has no {CONFIG_FILE}; a Hugging Face GPT-2 directory needs config.json "
+                        f"and model.safetensors")
+    hf = _read_hf_config(d / CONFIG_FILE)
+    cfg = config_from_hf(hf, str(d / CONFIG_FILE))
+    handles = _open_weights(d)
+    prefix = "transformer." if "transformer.wte.weight" in handles else ""
+
+    def read(name: str, shape: tuple[int, ...], key: str | None = None) -> np.ndarray:
+        key = key or prefix + name
+        if key not in handles:
+            raise UserError(f"{d} is missing tensor {key} (expected shape {list(shape)}); "
+                            f"the weights do not match config.json or the file is incomplete")
+        found = tuple(handles[key].get_slice(key).get_shape())
+        if found != shape:
+            raise UserError(f"tensor {key} in {d} has shape {list(found)}, expected {list(shape)} "
+                            f"(from config.json); the weights do not match the config")
+        a = handles[key].get_tensor(key)
+        if not np.issubdtype(a.dtype, np.floating) and a.dtype.name != "bfloat16":
+            raise UserError(f"tensor {key} in {d} has dtype {a.dtype}, expected floating point")
+        a = np.asarray(a, dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise UserError(f"tensor {key} in {d} contains NaN or infinite values; the weights are corrupt")
+        return a
+
+    shapes = _hf_shapes(cfg)
+    t = {name: read(name, shape) for name, shape in shapes.items()}
+    # Our LM head is the token embedding. A tied HF model ignores any stored lm_head.weight; an
+    # untied one is accepted only if its head equals the embedding anyway.
+    if hf.get("tie_word_embeddings", True) is False:
+        head = read("", (cfg.vocab_size, cfg.n_embd), "lm_head.weight") if "lm_head.weight" in handles \
+            else None
+        if head is None or not np.array_equal(head, t["wte.weight"]):
+            raise UserError(f"{d} has an LM head that is not tied to the token embedding "
+                            f"(tie_word_embeddings false); this model ties them, so it cannot be converted")
+    return cfg, params_from_hf(t, cfg)
+
+
+def params_from_hf(t: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, Any]:
+    """Our parameter tree from HF tensors (names without the "transformer." prefix)."""
+    D, H, K, L = cfg.n_embd, cfg.n_head, cfg.head_dim, cfg.n_layer
+    wte = np.zeros((cfg.padded_vocab_size, D), np.float32)
+    wte[: cfg.vocab_size] = t["wte.weight"]
+    reshape = {
+        "w_qkv": (D, 3, H, K), "b_qkv": (3, H, K), "w_o": (H, K, D),
+    }
+    blocks = {}
+    for suffix, ours in _LAYER_KEYS.items():
+        layers = [t[f"h.{i}.{suffix}"] for i in range(L)]
+        if ours in reshape:
+            layers = [x.reshape(reshape[ours]) for x in layers]
+        blocks[ours] = np.stack(layers)
+    return {"wte": wte, "wpe": np.array(t["wpe.weight"], np.float32),
+            "lnf_scale": t["ln_f.weight"], "lnf_bias": t["ln_f.bias"], "blocks": blocks}
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def check_gpt2_compatible(cfg: ModelConfig) -> None:
+    if not cfg.bias:
+        raise UserError("this model has no biases (bias=False); Hugging Face GPT-2 always has them, "
+                        "so it cannot be exported as GPT-2")
+    if cfg.pos_embedding != "learned":
+        raise UserError(f"this model uses {cfg.pos_embedding} position embeddings; Hugging Face GPT-2 "
+                        f"needs learned ones, so it cannot be exported as GPT-2")
+
+
+def hf_tensors(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """HF GPT-2 tensors ("transformer." prefix, float32, contiguous) from our parameter tree."""
+    check_gpt2_compatible(cfg)
+    D, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+
+    def arr(x, shape, name):
+        a = np.asarray(x, dtype=np.float32)
+        if a.shape != shape:
+            raise UserError(f"parameter {name} has shape {list(a.shape)}, expected {list(shape)} "
+                            f"for the recorded config; the checkpoint is inconsistent")
+        return a
+
+    try:
+        b = params["blocks"]
+        out = {
+            "wte.weight": arr(params["wte"], (cfg.padded_vocab_size, D), "wte")[:V],
+            "wpe.weight": arr(params["wpe"], (cfg.block_size, D), "wpe"),
+            "ln_f.weight": arr(params["lnf_scale"], (D,), "lnf_scale"),
+            "ln_f.bias": arr(params["lnf_bias"], (D,), "lnf_bias"),
+        }
+        ours_shapes = {
+            "ln1_scale": (D,), "ln1_bias": (D,), "w_qkv": (D, 3, cfg.n_head, cfg.head_dim),
+            "b_qkv": (3, cfg.n_head, cfg.head_dim), "w_o": (cfg.n_head, cfg.head_dim, D), "b_o": (D,),
+            "ln2_scale": (D,), "ln2_bias": (D,), "w_fc": (D, 4 * D), "b_fc": (4 * D,),
+            "w_proj": (4 * D, D), "b_proj": (D,),
+        }
+        hf_shapes = _hf_shapes(cfg)
+        for suffix, ours in _LAYER_KEYS.items():
+            stacked = arr(b[ours], (L, *ours_shapes[ours]), f"blocks.{ours}")
+            for i in range(L):
+                out[f"h.{i}.{suffix}"] = stacked[i].reshape(hf_shapes[f"h.{i}.{suffix}"])
+    except KeyError as e:
+        raise UserError(f"parameter {e.args[0]} is missing; the checkpoint is not a GPT-2 style model") \
+            from None
+    return {f"transformer.{k}": np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_id: Any = _UNSET,
+          overwrite: bool = False) -> Path:
+    """Write `config.json` + `model.safetensors` loadable by GPT2LMHeadModel.from_pretrained.
+
+    The directory appears complete or not at all: both files are written into a temporary sibling
+    directory that is then renamed. An existing non-empty `hf_dir` is replaced only with
+    `overwrite`, and only if it looks like a model directory (holds config.json).
+    """
+    from safetensors.numpy import save_file
+
+    tensors = hf_tensors(params, cfg)
+    config = hf_config(cfg, eot_id)
+    dest = Path(hf_dir).absolute()
+    if dest.exists() and not dest.is_dir():
+        raise UserError(f"{dest} exists and is not a directory; pass a new --hf_dir")
+    nonempty = dest.is_dir() and any(dest.iterdir())
+    if nonempty and not overwrite:
+        raise UserError(f"{dest} already exists and is not empty; pass --overwrite to replace it "
+                        f"or choose another --hf_dir")
+    if nonempty and not (dest / CONFIG_FILE).is_file():
+        raise UserError(f"{dest} is not empty and holds no config.json, so it does not look like a "
+                        f"model directory; refusing to replace it, choose another --hf_dir")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        for f in (CONFIG_FILE, WEIGHTS_FILE):
+            with open(tmp / f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o755)
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.replace(dest, old)  # an empty dir, or a model dir we were told to overwrite
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> str:
+    from gpt import checkpoint as ckpt
+
+    out = Path(out_dir)
+    steps = ckpt.list_steps(out)
+    if steps and not overwrite:
+        raise UserError(f"{out} already holds checkpoints (steps {steps}); pass --overwrite to replace "
+                        f"them or choose another --out_dir")
+    cfg, params = load_hf(hf_dir)
+    meta: dict[str, Any] = {"format_version": ckpt.FORMAT_VERSION, "step": 0,
+                            "config": {"model": to_dict(cfg), "train": {}},
+                            "source": str(Path(hf_dir).absolute())}
+    if cfg.vocab_size == GPT2_VOCAB:
+        from gpt.tokenizer import gpt2_tokenizer
+        meta["tokenizer"] = gpt2_tokenizer().spec
+    else:
+        print(f"warning: vocabulary size {cfg.vocab_size} is not GPT-2's ({GPT2_VOCAB}), so no tokenizer "
+              f"is recorded; sampling from this checkpoint needs one", file=sys.stderr)
+    if steps:
+        ckpt.remove_all(out)
+    c = ckpt.Checkpointer(out, keep=1, async_save=False)
+    # Orbax refuses an empty pytree, so the (absent) optimizer state is a one-element placeholder;
+    # restoring params only (abstract_opt_state=None) never reads it.
+    c.save(0, params, {"none": np.zeros((), np.int32)}, meta, val_loss=None)
+    c.close()
+    padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.n_embd
+    n = sum(int(np.prod(a.shape)) for a in _leaves(params)) - padding
+    return (f"converted {hf_dir} ({n / 1e6:.1f}M params, {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
+            f"vocab {cfg.vocab_size}) to {ckpt.checkpoint_dir(out)}/0")
+
+
+def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool = False) -> str:
+    from gpt import checkpoint as ckpt
+    from gpt.config import model_from_dict
+
+    step, meta = ckpt.read_meta(out_dir)
+    try:
+        cfg = model_from_dict(meta["config"]["model"])
+    except (KeyError, TypeError) as e:
+        raise UserError(f"the checkpoint in {out_dir} (step {step}) has no model config ({e}); "
+                        f"it is damaged") from None
+    check_gpt2_compatible(cfg)
+    from gpt.train import abstract_params
+    reader = ckpt.Checkpointer(out_dir, read_only=True)
+    step, params, _, meta = reader.restore(abstract_params(cfg), step=step)
+    tok = meta.get("tokenizer")
+    eot = tok.get("eot_id") if isinstance(tok, dict) and "eot_id" in tok else _UNSET
+    dest = to_hf(params, cfg, hf_dir, eot_id=eot, overwrite=overwrite)
+    return f"exported step {step} of {out_dir} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, " \
+           f"vocab {cfg.vocab_size}) to {dest}"
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    else:
+        yield tree
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit status 2 via run_main
+        raise UserError(f"{message} (see python -m gpt.convert --help)")
+
+
+def main(argv: Sequence[str]) -> int:
+    p = _Parser(prog="python -m gpt.convert",
+                description="Convert between Hugging Face GPT-2 (safetensors) and our checkpoints.")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--from_hf", metavar="HF_DIR",
+                      help="import a Hugging Face GPT-2 dir (config.json + model.safetensors)")
+    mode.add_argument("--to_hf", action="store_true", help="export --out_dir's newest checkpoint to --hf_dir")
+    p.add_argument("--out_dir", required=True, help="our checkpoint directory")
+    p.add_argument("--hf_dir", help="with --to_hf: the Hugging Face directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace existing checkpoints / --hf_dir")
+    a = p.parse_args(list(argv))
+    if a.to_hf:
+        if not a.hf_dir:
+            raise UserError("--to_hf needs --hf_dir DIR (where to write config.json and model.safetensors)")
+        print(checkpoint_to_hf(a.out_dir, a.hf_dir, overwrite=a.overwrite))
+    else:
+        if a.hf_dir:
+            raise UserError("--hf_dir is only used with --to_hf; with --from_hf the source is --from_hf DIR")
+        print(from_hf_to_checkpoint(a.from_hf, a.out_dir, overwrite=a.overwrite))
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,95 @@
+import json
+
+import pytest
+
+from gpt.config import (PRESETS, ModelConfig, SampleConfig, TrainConfig, build, validate_model,
+                        validate_sample, validate_train)
+from gpt.errors import UserError
+
+
+def parse(argv, preset="default"):
+    (m, t), explicit = build([ModelConfig, TrainConfig], argv, default_preset=preset)
+    return validate_model(m), validate_train(t), explicit
+
+
+def test_nanogpt_style_overrides():
+    m, t, explicit = parse(["--preset=shakespeare-char", "--n_layer=4", "--dropout", "0.0",
+                            "--batch_size=8", "--learning_rate=6e-4", "--no_bias", "--max_iters", "1e3"])
+    assert (m.n_layer, m.n_head, m.n_embd, m.block_size) == (4, 6, 384, 256)
+    assert m.dropout == 0.0 and m.bias is False and t.batch_size == 8 and t.max_iters == 1000
+    assert t.learning_rate == 6e-4 and t.beta2 == 0.99 and t.min_lr == 1e-4
+    assert {"n_layer", "dropout", "batch_size"} <= explicit and "n_head" not in explicit
+
+
+def test_presets():
+    m, _, _ = parse(["--preset=gpt2-xl"])
+    assert (m.n_layer, m.n_head, m.n_embd) == (48, 25, 1600)
+    m, t, _ = parse(["--preset=shakespeare-char"])
+    assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout) == (6, 6, 384, 256, 0.2)
+    assert (t.batch_size, t.max_iters, t.warmup_iters, t.grad_clip) == (64, 5000, 100, 1.0)
+    assert {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "shakespeare-char", "tiny"} <= set(PRESETS)
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(UserError, match=r"--n_layr .*did you mean --n_layer"):
+        parse(["--n_layr=3"])
+    with pytest.raises(UserError, match="unknown preset 'gpt3'"):
+        parse(["--preset=gpt3"])
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--n_embd=100", "--n_head=3"], "n_embd"),
+    (["--n_layer=-1"], "n_layer"),
+    (["--n_layer=0"], "n_layer"),
+    (["--dropout=1.5"], "dropout"),
+    (["--dropout=abc"], "dropout"),
+    (["--batch_size=2.5"], "batch_size"),
+    (["--learning_rate=0"], "learning_rate"),
+    (["--learning_rate=nan"], "learning_rate"),
+    (["--bias=maybe"], "bias"),
+    (["--dtype=float16"], "dtype"),
+    (["--remat=all"], "remat"),
+    (["--beta2=1.0"], "beta2"),
+])
+def test_invalid_values_name_the_field(argv, field):
+    with pytest.raises(UserError, match=f"--{field}"):
+        parse(argv)
+
+
+def test_config_files_toml_and_json(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('n_layer = 3\n[train]\nbatch_size = 5\nlearning_rate = 3e-4\n')
+    m, t, _ = parse([f"--config={toml}", "--batch_size=7"])
+    assert m.n_layer == 3 and t.batch_size == 7 and t.learning_rate == 3e-4  # command line wins
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"model": {"n_embd": 64, "n_head": 4}}))
+    m, _, _ = parse([f"--config={js}"])
+    assert m.n_embd == 64
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"n_layers": 2}))
+    with pytest.raises(UserError, match="did you mean --n_layer"):
+        parse([f"--config={bad}"])
+    with pytest.raises(UserError, match="not found"):
+        parse([f"--config={tmp_path / 'missing.toml'}"])
+    evil = tmp_path / "evil.py"
+    evil.write_text("import os\n")
+    with pytest.raises(UserError, match=r"\.toml or \.json"):
+        parse([f"--config={evil}"])
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--top_p=0"], "top_p"), (["--top_p=1.5"], "top_p"), (["--top_k=-1"], "top_k"),
+    (["--temperature=-0.1"], "temperature"), (["--num_samples=0"], "num_samples"),
+    (["--max_new_tokens=-5"], "max_new_tokens"),
+])
+def test_sample_settings_validated(argv, field):
+    (s,), _ = build([SampleConfig], argv)
+    with pytest.raises(UserError, match=f"--{field}"):
+        validate_sample(s)
+
+
+def test_list_fields():
+    (s,), _ = build([SampleConfig], ["--stop=\n\n", "--stop", "END"])
+    assert s.stop == ["END"] or s.stop == ["\n\n"]  # last wins for a repeated key
+    _, t, _ = parse(["--input=a.txt,b/"])
+    assert t.input == ["a.txt", "b/"]

@@ -1,0 +1,185 @@
+"""Hugging Face GPT-2 conversion: logit parity with transformers, exact round trips, clean errors."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from gpt import convert  # noqa: E402
+from gpt.errors import UserError  # noqa: E402
+from gpt.model import GPT  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TOL = 1e-4
+
+
+def make_hf(path: Path, vocab: int, seed: int = 0):
+    """A small random GPT2LMHeadModel with every parameter (LN and biases too) perturbed, saved."""
+    torch.manual_seed(seed)
+    eot = 50256 if vocab == 50257 else vocab - 1
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                  bos_token_id=eot, eos_token_id=eot)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def torch_logits(model, idx: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(idx)).logits.float().numpy()
+
+
+def our_logits(cfg, params, idx: np.ndarray, attention: str = "xla") -> np.ndarray:
+    cfg = dataclasses.replace(cfg, dtype="float32", attention=attention)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    nnx.update(model, params)
+    out, _ = model(jax.numpy.asarray(idx))
+    return np.asarray(out)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf") / "gpt2-tiny"
+    model = make_hf(d, vocab=50257)
+    idx = np.random.default_rng(0).integers(0, 50257, (2, 64))  # the full context: every wpe row
+    return d, model, idx, torch_logits(model, idx)
+
+
+@pytest.mark.parametrize("attention", ["xla", "einsum"])
+def test_load_hf_logit_parity(hf, attention):
+    d, _, idx, ref = hf
+    cfg, params = convert.load_hf(d)
+    assert (cfg.vocab_size, cfg.block_size, cfg.n_layer, cfg.n_head, cfg.n_embd) == (50257, 64, 2, 4, 64)
+    assert cfg.bias and cfg.pos_embedding == "learned"
+    assert params["wte"].shape == (cfg.padded_vocab_size, 64) and params["wte"].dtype == np.float32
+    assert not params["wte"][cfg.vocab_size:].any()  # padded rows are zero
+    logits = our_logits(cfg, params, idx, attention)
+    assert np.isneginf(logits[..., cfg.vocab_size:]).all()
+    diff = float(np.abs(logits[..., :cfg.vocab_size] - ref).max())
+    print(f"max abs logit diff vs transformers ({attention}): {diff:.3g}")
+    assert diff < TOL
+
+
+def test_cli_round_trip(hf, tmp_path):
+    from gpt.checkpoint import load_model
+    d, _, idx, ref = hf
+    out, hf2 = tmp_path / "ckpt", tmp_path / "exported"
+    assert convert.main(["--from_hf", str(d), "--out_dir", str(out)]) == 0
+
+    model, meta, tok = load_model(out, dtype="float32")
+    assert meta["step"] == 0 and meta["tokenizer"]["kind"] == "gpt2" and tok.vocab_size == 50257
+    assert meta["config"]["model"]["vocab_size"] == 50257
+    logits, _ = model(jax.numpy.asarray(idx))
+    diff = float(np.abs(np.asarray(logits)[..., :50257] - ref).max())
+    print(f"max abs logit diff vs transformers (via checkpoint): {diff:.3g}")
+    assert diff < TOL
+
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        convert.main(["--from_hf", str(d), "--out_dir", str(out)])
+
+    assert convert.main(["--to_hf", "--out_dir", str(out), "--hf_dir", str(hf2)]) == 0
+    assert sorted(p.name for p in hf2.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((hf2 / "config.json").read_text())
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["eos_token_id"] == 50256
+    with pytest.raises(UserError, match="not empty"):
+        convert.main(["--to_hf", "--out_dir", str(out), "--hf_dir", str(hf2)])
+
+    # bit-identical through checkpoint and export
+    _, a = convert.load_hf(d)
+    _, b = convert.load_hf(hf2)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.array_equal(x, y)
+    exported, info = transformers.GPT2LMHeadModel.from_pretrained(hf2, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert np.array_equal(torch_logits(exported.eval(), idx), ref)
+
+
+def test_small_vocab_prefixless_keys_and_buffers(tmp_path):
+    """OpenAI's own upload: no "transformer." prefix, attn.bias buffers, an explicit lm_head."""
+    model = make_hf(tmp_path / "a", vocab=500, seed=1)
+    tensors = load_file(tmp_path / "a" / "model.safetensors")
+    raw = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    for i in range(2):
+        raw[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
+    raw["lm_head.weight"] = raw["wte.weight"]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
+    save_file(raw, tmp_path / "b" / "model.safetensors")
+
+    cfg, a = convert.load_hf(tmp_path / "a")
+    _, b = convert.load_hf(tmp_path / "b")
+    assert cfg.padded_vocab_size == 512
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.array_equal(x, y)
+    idx = np.random.default_rng(1).integers(0, 500, (1, 16))
+    assert np.abs(our_logits(cfg, a, idx)[..., :500] - torch_logits(model, idx)).max() < TOL
+
+    convert.to_hf(a, cfg, tmp_path / "c")
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["eos_token_id"] == 499
+    _, c = convert.load_hf(tmp_path / "c")
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c)):
+        assert np.array_equal(x, y)
+
+    with pytest.raises(UserError, match="bias=False"):
+        convert.to_hf(a, dataclasses.replace(cfg, bias=False), tmp_path / "d")
+    with pytest.raises(UserError, match="sinusoidal"):
+        convert.to_hf(a, dataclasses.replace(cfg, pos_embedding="sinusoidal"), tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def _bad_dirs(root: Path, good: Path) -> dict[str, tuple[list[str], str]]:
+    cases: dict[str, tuple[list[str], str]] = {}
+    cases["missing_dir"] = (["--from_hf", str(root / "nope")], "does not exist")
+    (root / "noconfig").mkdir()
+    cases["missing_config"] = (["--from_hf", str(root / "noconfig")], "config.json")
+    (root / "llama").mkdir()
+    (root / "llama" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    cases["llama"] = (["--from_hf", str(root / "llama")], "LlamaForCausalLM")
+    (root / "pickle").mkdir()
+    (root / "pickle" / "config.json").write_text((good / "config.json").read_text())
+    (root / "pickle" / "pytorch_model.bin").write_bytes(b"not read")
+    cases["pickle_only"] = (["--from_hf", str(root / "pickle")], "pickle")
+    (root / "shape").mkdir()
+    (root / "shape" / "config.json").write_text((good / "config.json").read_text())
+    t = load_file(good / "model.safetensors")
+    t["transformer.h.1.attn.c_attn.weight"] = np.ascontiguousarray(t["transformer.h.1.attn.c_attn.weight"].T)
+    save_file(t, root / "shape" / "model.safetensors")
+    cases["wrong_shape"] = (["--from_hf", str(root / "shape")], "h.1.attn.c_attn.weight")
+    (root / "empty_out").mkdir()
+    cases["to_hf_no_checkpoint"] = (["--to_hf", "--out_dir", str(root / "empty_out"),
+                                     "--hf_dir", str(root / "x")], "no checkpoint")
+    cases["bad_flag"] = (["--from_hf", str(good), "--bogus"], "unrecognized")
+    return cases
+
+
+def test_bad_inputs_are_one_line_errors(hf, tmp_path):
+    d = hf[0]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for name, (args, needle) in _bad_dirs(tmp_path, d).items():
+        args = args if "--out_dir" in args else args + ["--out_dir", str(tmp_path / f"out_{name}")]
+        r = subprocess.run([sys.executable, "-m", "gpt.convert", *args], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2, (name, r.stderr)
+        assert "Traceback" not in r.stderr, (name, r.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error:"), (name, r.stderr)
+        assert needle in lines[0], (name, lines[0])
+        assert not (tmp_path / f"out_{name}" / "checkpoints").exists()
+        assert not (tmp_path / "x").exists()

@@ -1,0 +1,152 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_model_config
+from gpt import model as M
+from gpt.config import PRESETS, ModelConfig
+
+
+def make(cfg, seed=0):
+    return M.GPT(cfg, rngs=nnx.Rngs(seed))
+
+
+def tokens(B, T, V, seed=1):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, V)
+
+
+@pytest.mark.parametrize("pos", ["learned", "sinusoidal"])
+def test_shapes_and_padded_vocab(pos):
+    cfg = tiny_model_config(vocab_size=70, pos_embedding=pos)
+    assert cfg.padded_vocab_size == 128
+    logits, cache = make(cfg)(tokens(3, 16, 70))
+    assert logits.shape == (3, 16, 128) and logits.dtype == jnp.float32 and cache is None
+    assert bool(jnp.all(jnp.isneginf(logits[..., 70:])))  # padded entries are never scored
+    assert bool(jnp.all(jnp.isfinite(logits[..., :70])))
+
+
+@pytest.mark.parametrize("attention", ["xla", "einsum"])
+def test_causality(attention):
+    cfg = tiny_model_config(attention=attention)
+    model = make(cfg)
+    x = tokens(2, 16, 65)
+    t = 9
+    x2 = x.at[:, t + 1].set((x[:, t + 1] + 1) % 65)
+    a, _ = model(x)
+    b, _ = model(x2)
+    np.testing.assert_array_equal(np.asarray(a[:, :t + 1, :65]), np.asarray(b[:, :t + 1, :65]))
+    assert float(jnp.abs(a[:, t + 1:, :65] - b[:, t + 1:, :65]).max()) > 0
+
+
+def test_gpt2_parameter_count():
+    cfg = ModelConfig(**{k: v for k, v in PRESETS["gpt2"].items() if k in ModelConfig.__dataclass_fields__})
+    assert M.num_params(cfg) == 124_439_808
+    # The built model has exactly that many parameters plus the vocabulary padding rows.
+    shapes = nnx.state(nnx.eval_shape(lambda: M.GPT(cfg, rngs=nnx.Rngs(0))))
+    total = sum(x.size for x in jax.tree.leaves(shapes))
+    assert total == 124_439_808 + (cfg.padded_vocab_size - cfg.vocab_size) * cfg.n_embd
+    # FLOPs: 6N (no position embeddings) + 12*L*T*D.
+    n = 124_439_808 - 1024 * 768
+    assert M.flops_per_token(cfg) == 6 * n + 12 * 12 * 1024 * 768
+
+
+def test_einsum_reference_matches_dot_product_attention():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(k1, (2, 8, 4, 16))
+    k = jax.random.normal(k2, (2, 8, 4, 16))
+    v = jax.random.normal(k3, (2, 8, 4, 16))
+    ref = M.attention_einsum(q, k, v, M.causal_mask(8))
+    fused = M.attention_fused(q, k, v, None, "xla")
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(ref), atol=1e-5)
+    # With an explicit mask (the cache path) too.
+    mask = jnp.broadcast_to(M.causal_mask(8), (2, 8, 8)).at[1, :, :3].set(False)
+    np.testing.assert_allclose(np.asarray(M.attention_fused(q, k, v, mask, "xla")),
+                               np.asarray(M.attention_einsum(q, k, v, mask)), atol=1e-5)
+    cfg = tiny_model_config()
+    model = make(cfg)
+    x = tokens(2, 16, 65)
+    a, _ = model(x)
+    model.cfg = dataclasses.replace(cfg, attention="einsum")
+    b, _ = model(x)
+    np.testing.assert_allclose(np.asarray(a[..., :65]), np.asarray(b[..., :65]), atol=1e-5)
+
+
+def test_init_statistics():
+    cfg = tiny_model_config(n_layer=4, n_embd=64)
+    state = nnx.to_pure_dict(nnx.state(make(cfg)))
+    assert abs(float(state["wte"].std()) - 0.02) < 0.002
+    proj_std = 0.02 / np.sqrt(2 * cfg.n_layer)
+    assert abs(float(state["blocks"]["w_proj"].std()) - proj_std) < 0.15 * proj_std
+    assert float(jnp.abs(state["blocks"]["b_fc"]).max()) == 0.0
+    assert float(state["blocks"]["ln1_scale"].min()) == 1.0
+
+
+def test_kv_cache_matches_full_forward():
+    cfg = tiny_model_config()
+    model = make(cfg)
+    x = tokens(2, 20, 65)
+    full, _ = model(x)
+    cache = M.init_cache(cfg, 2, 32)
+    out, cache = model(x[:, :7], cache=cache)
+    parts = [out]
+    for t in range(7, 20):
+        o, cache = model(x[:, t:t + 1], cache=cache)
+        parts.append(o)
+    assert int(cache.index) == 20
+    got = jnp.concatenate(parts, axis=1)
+    assert float(jnp.abs(got[..., :65] - full[..., :65]).max()) < 1e-4
+
+
+def test_left_padded_cache_rows_match_unpadded():
+    """A left-padded row gives the same logits as the same prompt alone (positions count from 0)."""
+    cfg = tiny_model_config()
+    model = make(cfg)
+    x = tokens(1, 10, 65)
+    alone, _ = model(x)
+    padded = jnp.concatenate([jnp.zeros((1, 4), jnp.int32), x], axis=1)
+    cache = M.init_cache(cfg, 1, 32, start_B=jnp.array([4]))
+    out, _ = model(padded, cache=cache)
+    assert float(jnp.abs(out[:, 4:, :65] - alone[..., :65]).max()) < 1e-4
+
+
+@pytest.mark.parametrize("remat,scan", [("block", False), ("dots", True), ("none", True)])
+def test_remat_and_scan_give_same_loss_and_grads(remat, scan):
+    cfg = tiny_model_config()
+    x = tokens(2, 16, 65)
+
+    def loss(model):
+        logits, _ = model(x[:, :-1])
+        return -jnp.mean(jax.nn.log_softmax(logits[..., :65])[..., 0])
+
+    base = make(cfg)
+    other = make(dataclasses.replace(cfg, remat=remat, scan_layers=scan))
+    l1, g1 = nnx.value_and_grad(loss)(base)
+    l2, g2 = nnx.value_and_grad(loss)(other)
+    assert abs(float(l1) - float(l2)) < 1e-6
+    for a, b in zip(jax.tree.leaves(nnx.state(g1)), jax.tree.leaves(nnx.state(g2))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits():
+    cfg = tiny_model_config(dtype="bfloat16")
+    model = make(cfg)
+    logits, _ = model(tokens(2, 8, 65))
+    assert logits.dtype == jnp.float32
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model)))
+    ref, _ = make(tiny_model_config())(tokens(2, 8, 65))
+    assert float(jnp.abs(logits[..., :65] - ref[..., :65]).max()) < 0.1
+
+
+def test_dropout_is_active_only_with_a_key():
+    cfg = tiny_model_config(dropout=0.5)
+    model = make(cfg)
+    x = tokens(2, 8, 65)
+    a, _ = model(x)
+    b, _ = model(x)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    c, _ = model(x, dropout_key=jax.random.key(0))
+    assert float(jnp.abs(c[..., :65] - a[..., :65]).max()) > 0
