@@ -67,10 +67,10 @@ def decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
-    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
-    parts.append(optax.adamw(lr_schedule(t), b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay,
-                             mask=decay_mask))
-    return optax.chain(*parts)
+    # The chain keeps the same structure with clipping off, so checkpoints stay compatible.
+    clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
+    return optax.chain(clip, optax.adamw(lr_schedule(t), b1=t.beta1, b2=t.beta2,
+                                         weight_decay=t.weight_decay, mask=decay_mask))
 
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -296,7 +296,7 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
 
     A = t.gradient_accumulation_steps
     B, T = t.batch_size, m.block_size
-    pc, pi = jax.process_count(), jax.process_index()
+    pi, pc = sharding.batch_process_layout(mesh)  # this process's block of the batch rows
     train_batches = data_lib.Batches(s.data_dir, "train", T, B * A, seed=t.seed,
                                      process_index=pi, process_count=pc)
     train_batches.restore({"seed": t.seed, "index": step})

@@ -1,0 +1,607 @@
+"""Data: turn text files into token files, and sample training batches from them.
+
+Preparation (`prepare`, or ``python -m gpt.data``) writes, into a data dir:
+
+    train.bin, val.bin   the token stream of each split, flat np.uint16 (uint32 if vocab > 65536)
+    meta.json            format version, tokenizer spec, dtype, token/byte counts, source hashes
+    tokenizer files      e.g. tokenizer.tiktoken for bpe:N (see Tokenizer.files())
+
+Choices, and why:
+
+- Split: the corpus is the concatenation of the input files, in order; the last `val_fraction`
+  of its *bytes* is the validation split (nanoGPT's ``data[:int(n*0.9)]``; for the bundled
+  Shakespeare with the char tokenizer this gives nanoGPT's exact 1,003,854 / 111,540 tokens).
+  The cut is moved back to the nearest character boundary. Cutting by bytes lets us decide the
+  split before tokenizing, so everything streams in one pass.
+- Documents: files are documents; where the tokenizer has an end-of-text token it is written
+  *between* non-empty documents (not after the last), in the split where the next one starts.
+- Streaming: files are read in ~1 MiB pieces and never held whole in memory. A piece ends where
+  tokenization cannot see the difference: before a whitespace character that follows a printable
+  ASCII character ("word|\\n", "word| next"), where GPT-2's pre-tokenizer regex always ends a
+  piece, so the tokens equal encoding each file in one call (tested). Only a 256 KiB stretch
+  without any ASCII word boundary (e.g. unspaced CJK) is cut at a character boundary instead,
+  which may change a token or two at that cut. Char tokenizers are exact anywhere.
+- Parallelism: pieces are tokenized by a thread pool (tiktoken and numpy release the GIL);
+  `bench/data.py` measured this faster than a spawn process pool, which must pickle every
+  result back to the parent.
+- Atomicity: everything is written into a hidden staging dir inside out_dir and renamed into
+  place at the end, meta.json last; an interrupted or failed prepare leaves no meta.json for
+  the new data (the previous data dir, if any, stays intact until the final renames).
+
+Batches are windows at random offsets of the memory-mapped split. The randomness of batch i is
+``np.random.default_rng([seed, i])``, so the sampler state is two integers and is saved in
+checkpoints as JSON; each process of a multi-host run takes its rows of the same global batch.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from gpt.errors import UserError, run_main
+from gpt.tokenizer import (REPO_ROOT, Tokenizer, atomic_write_bytes, build_tokenizer, load_tokenizer,
+                           parse_name)
+
+FORMAT_VERSION = 1
+CHUNK_BYTES = 1 << 20  # bytes read per piece; big enough to amortise overhead, small for memory
+SPLITS = ("train", "val")
+_PRINTABLE = frozenset(range(0x21, 0x7F))  # ASCII characters that are neither space nor control
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype that holds every id: uint16 up to 65536 ids (GPT-2), else uint32."""
+    if vocab_size <= 2**16:
+        return np.dtype(np.uint16)
+    if vocab_size <= 2**32:
+        return np.dtype(np.uint32)
+    raise UserError(f"vocab_size {vocab_size} does not fit in uint32; use a smaller tokenizer")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+def resolve_inputs(inputs: Sequence[str | os.PathLike], include: str = "*.txt") -> list[Path]:
+    """Expand files, folders and glob patterns to a deterministic list of files.
+
+    Inputs keep the order given; a folder contributes its files matching `include` (searched
+    recursively, hidden files and folders skipped) in sorted order; a glob pattern its matches in
+    sorted order. Duplicates are dropped.
+    """
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    if not inputs:
+        raise UserError("no inputs given; pass text files, folders or glob patterns with --input")
+    files: list[Path] = []
+    for raw in inputs:
+        p = Path(raw)
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            found = _folder_files(p, include)
+            if not found:
+                raise UserError(f"folder {str(p)!r} has no files matching --include {include!r}; "
+                                f"pass another --include pattern or other inputs")
+            files.extend(found)
+        elif glob.has_magic(str(raw)):
+            matches = sorted(glob.glob(str(raw), recursive=True))
+            found = []
+            for m in map(Path, matches):
+                if m.is_file():
+                    found.append(m)
+                elif m.is_dir():
+                    found.extend(_folder_files(m, include))
+            if not found:
+                raise UserError(f"no files match the pattern {str(raw)!r}; check the path")
+            files.extend(found)
+        elif p.exists():
+            raise UserError(f"input {str(p)!r} is not a regular file or folder; pass text files or folders")
+        else:
+            raise UserError(f"input {str(p)!r} does not exist; check the path")
+    seen: set[Path] = set()
+    unique = []
+    for f in files:
+        key = f.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    return unique
+
+
+def _folder_files(folder: Path, include: str) -> list[Path]:
+    """Files under `folder` matching `include`, sorted; hidden files and folders are skipped
+    (.git, editor backups, and prepare's own staging dirs)."""
+    return sorted(f for f in folder.rglob(include)
+                  if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+
+
+def _char_boundary(buf: bytes, n: int) -> int:
+    """Move cut position n back (at most 3 bytes) so it does not split a UTF-8 sequence."""
+    for _ in range(3):
+        if 0 < n < len(buf) and (buf[n] & 0xC0) == 0x80:
+            n -= 1
+    return n
+
+
+def find_cut(buf: bytes) -> int:
+    """Where to end a piece of `buf` so that tokenizing the pieces separately changes nothing.
+
+    Preferred: just before an ASCII whitespace character (newline, CR, space, tab) that follows a
+    printable non-space ASCII character, as in "word|\n" or "word| next". GPT-2's pre-tokenizer
+    regex always ends a piece at such a place, and what it does after it does not depend on the
+    text before it (no look-behind), so BPE pieces, and hence tokens, are identical; this holds
+    for CRLF line ends too. Searched in the last quarter of the buffer so pieces stay large.
+    Fallback, for a quarter-MiB without any such place: the last character boundary (inexact).
+    """
+    lo = len(buf) - len(buf) // 4
+    for sep in (b"\n", b" ", b"\r", b"\t"):
+        pos = buf.rfind(sep, max(lo, 1))
+        for _ in range(64):  # a few tries per separator; "x\n" is found at once in normal text
+            if pos <= 0:
+                break
+            if buf[pos - 1] in _PRINTABLE:
+                return pos
+            pos = buf.rfind(sep, max(lo, 1), pos)
+    return _char_boundary(buf, len(buf))
+
+
+def iter_file_pieces(path: Path, errors: str, cut: int | None = None, hasher=None,
+                     chunk_bytes: int | None = None) -> Iterator[tuple[int, int, str]]:
+    """Yield (start, end, text) for consecutive byte ranges of a file, decoded as UTF-8.
+
+    If `cut` is given, a piece boundary falls at that byte offset (moved back to a character
+    boundary), so the caller can assign pieces to the train/val split. NUL bytes ("binary") and,
+    with errors="strict", invalid UTF-8 are user errors naming the file and byte offset.
+    """
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    carry, offset = b"", 0
+    with open(path, "rb") as f:
+        while True:
+            want = chunk_bytes
+            if cut is not None and offset + len(carry) < cut:
+                want = min(want, cut - offset - len(carry))
+            block = f.read(want)
+            if hasher is not None:
+                hasher.update(block)
+            buf = carry + block
+            if not buf:
+                return
+            nul = block.find(b"\x00")
+            if nul >= 0:
+                at = offset + len(carry) + nul
+                raise UserError(f"{str(path)!r} looks binary (NUL byte at offset {at}); pass only text "
+                                f"files (use --include to filter folders)")
+            if not block:
+                n = len(buf)
+            elif cut is not None and offset + len(buf) == cut:
+                n = _char_boundary(buf, len(buf))
+            else:
+                n = find_cut(buf)
+            piece, carry = buf[:n], buf[n:]
+            try:
+                text = piece.decode("utf-8", errors=errors)
+            except UnicodeDecodeError as e:
+                raise UserError(f"{str(path)!r} is not valid UTF-8 (byte 0x{piece[e.start]:02x} at offset "
+                                f"{offset + e.start}); convert it to UTF-8 or pass --errors=replace to "
+                                f"substitute U+FFFD for bad bytes") from None
+            if text:
+                yield offset, offset + n, text
+            offset += n
+
+
+@dataclass
+class Source:
+    path: Path
+    size: int
+
+
+def _sources(files: list[Path]) -> list[Source]:
+    return [Source(f, f.stat().st_size) for f in files]
+
+
+def val_cut(total_bytes: int, val_fraction: float) -> int:
+    """Byte offset in the concatenated corpus where the validation split begins."""
+    return int(total_bytes * (1.0 - val_fraction))
+
+
+def iter_corpus(sources: list[Source], errors: str, cut: int, eot: bool = False,
+                hashers: list | None = None) -> Iterator[tuple[str, int, str | None]]:
+    """Yield (split, n_bytes, text) over the whole corpus; text None marks an end-of-text token
+    between two non-empty documents (only if `eot`). Pieces ending at or before `cut` are train."""
+    start = 0  # offset of the current file in the concatenated corpus
+    any_before = False
+    for i, src in enumerate(sources):
+        local_cut = cut - start if start < cut < start + src.size else None
+        first = True
+        for s, e, text in iter_file_pieces(src.path, errors, local_cut, hashers[i] if hashers else None):
+            split = "train" if start + e <= cut else "val"
+            if first and any_before and eot:
+                yield split, 0, None
+            first = False
+            any_before = True
+            yield split, e - s, text
+        start += src.size
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparation
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_process_worker(spec: dict, base_dir: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(spec, base_dir)
+
+
+def _process_encode(text: str, dtype: str) -> np.ndarray:
+    assert _worker_tokenizer is not None
+    return _worker_tokenizer.encode_array(text, dtype)
+
+
+BACKENDS = ("auto", "process", "thread")
+MIN_PARALLEL_BYTES = 16 * CHUNK_BYTES  # below this, starting worker processes costs more than it saves
+
+
+def _make_executor(backend: str, workers: int, total_bytes: int, tok: Tokenizer, base_dir: Path) -> Executor | None:
+    """The pool that tokenizes pieces, or None to tokenize inline in this thread.
+
+    "auto" (default): inline for small corpora or one worker, else a spawn process pool, which
+    bench/data.py measured fastest (see BENCHMARKS.md). Workers rebuild the tokenizer from its
+    spec and files in `base_dir`; each piece travels as a str and comes back as a token array.
+    """
+    if backend not in BACKENDS:
+        raise UserError(f"backend {backend!r} is not valid; use one of {', '.join(BACKENDS)}")
+    if workers <= 1 or (backend == "auto" and total_bytes < MIN_PARALLEL_BYTES):
+        return None
+    if backend == "thread":
+        return ThreadPoolExecutor(workers)
+    import multiprocessing as mp
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
+                               initializer=_init_process_worker, initargs=(tok.spec, str(base_dir)))
+
+
+def _tokenize_to_files(stream: Iterator[tuple[str, int, str | None]], tok: Tokenizer, dtype: np.dtype,
+                       outs: dict, executor: Executor | None, workers: int) -> dict:
+    """Tokenize the pieces of `stream` (in parallel, results kept in order) and append them to
+    the open split files `outs`; returns per-split token and byte counts."""
+    counts = {s: {"tokens": 0, "bytes": 0} for s in SPLITS}
+    in_flight: deque = deque()
+    max_in_flight = 2 * workers if executor is not None else 0  # bounded: memory stays flat
+
+    def drain(limit: int) -> None:
+        while len(in_flight) > limit:
+            split, item = in_flight.popleft()
+            try:
+                arr = item if isinstance(item, np.ndarray) else item.result()
+            except BrokenProcessPool:
+                raise UserError("tokenizer worker processes died (out of memory, or prepare() was called "
+                                "from a script without an `if __name__ == '__main__':` guard, which "
+                                "spawned workers need); fix that or pass workers=1") from None
+            arr.tofile(outs[split])
+            counts[split]["tokens"] += int(arr.size)
+
+    eot = np.array([tok.eot_id if tok.eot_id is not None else 0], dtype=dtype)
+    for split, nbytes, text in stream:
+        counts[split]["bytes"] += nbytes
+        if text is None:
+            in_flight.append((split, eot))
+        elif executor is None:
+            in_flight.append((split, tok.encode_array(text, dtype)))
+        elif isinstance(executor, ProcessPoolExecutor):
+            in_flight.append((split, executor.submit(_process_encode, text, dtype.name)))
+        else:
+            in_flight.append((split, executor.submit(tok.encode_array, text, dtype)))
+        drain(max_in_flight)
+    drain(0)
+    return counts
+
+
+def _staging_dir(out_dir: Path) -> tuple[Path, bool]:
+    """Create out_dir (if needed) and a hidden staging dir in it; unwritable is a UserError."""
+    created = not out_dir.exists()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"out_dir {str(out_dir)!r} exists and is not a folder; choose another --out_dir")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
+    except OSError as e:
+        raise UserError(f"cannot write to out_dir {str(out_dir)!r} ({e.strerror}); choose a writable "
+                        f"--out_dir") from None
+    return stage, created
+
+
+def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str, out_dir: str | os.PathLike, *,
+            val_fraction: float = 0.1, include: str = "*.txt", errors: str = "strict",
+            workers: int | None = None, backend: str = "auto") -> dict:
+    """Tokenize text files into ``out_dir/{train,val}.bin`` + meta.json; returns the meta dict.
+
+    inputs: files, folders (recursive, files matching `include`) or glob patterns.
+    tokenizer: "gpt2" | "char" | "bpe:N" (char and bpe:N are learned from this corpus first).
+    errors: "strict" (invalid UTF-8 is an error) or "replace" (bad bytes become U+FFFD).
+    workers: parallel tokenizer workers (default: all cores); backend: "auto" | "process" |
+    "thread" (see `_make_executor`).
+    """
+    parse_name(tokenizer)  # unknown tokenizer: fail before touching anything
+    if backend not in BACKENDS:
+        raise UserError(f"backend {backend!r} is not valid; use one of {', '.join(BACKENDS)}")
+    if errors not in ("strict", "replace"):
+        raise UserError(f"errors={errors!r} is not valid; use strict or replace")
+    if not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
+        raise UserError(f"val_fraction={val_fraction!r} must be in [0, 1), e.g. 0.1")
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    sources = _sources(resolve_inputs(inputs, include))
+    total = sum(s.size for s in sources)
+    if total == 0:
+        raise UserError(f"the corpus is empty ({len(sources)} file(s), 0 bytes); pass non-empty text files")
+    cut = val_cut(total, val_fraction)
+
+    out_dir = Path(out_dir)
+    stage, created = _staging_dir(out_dir)
+    try:
+        # Learn the vocabulary (char: all text; bpe: train split only, so val stays unseen).
+        if tokenizer == "gpt2":
+            tok = build_tokenizer(tokenizer, None, stage)
+        elif tokenizer == "char":
+            tok = build_tokenizer(tokenizer, (t for _, _, t in iter_corpus(sources, errors, cut)), stage)
+        else:
+            train_texts = (t for split, _, t in iter_corpus(sources, errors, cut) if split == "train")
+            tok = build_tokenizer(tokenizer, train_texts, stage)
+        dtype = token_dtype(tok.vocab_size)
+
+        hashers = [hashlib.sha256() for _ in sources]
+        stream = iter_corpus(sources, errors, cut, eot=tok.eot_id is not None, hashers=hashers)
+        executor = _make_executor(backend, workers, total, tok, stage)
+        try:
+            with open(stage / "train.bin", "wb") as ftrain, open(stage / "val.bin", "wb") as fval:
+                counts = _tokenize_to_files(stream, tok, dtype, {"train": ftrain, "val": fval}, executor,
+                                            workers)
+                for f in (ftrain, fval):
+                    f.flush()
+                    os.fsync(f.fileno())
+        finally:
+            if executor is not None:
+                executor.shutdown(cancel_futures=True)
+
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "tokenizer": tok.spec,
+            "vocab_size": tok.vocab_size,
+            "dtype": dtype.name,
+            "splits": counts,
+            "val_fraction": val_fraction,
+            "split_rule": "last val_fraction of the concatenated input bytes is val",
+            "sources": [{"path": str(s.path), "bytes": s.size, "sha256": h.hexdigest()}
+                        for s, h in zip(sources, hashers)],
+            "bytes_per_token": {s: (round(counts[s]["bytes"] / counts[s]["tokens"], 4)
+                                    if counts[s]["tokens"] else None) for s in SPLITS},
+        }
+        # Publish: drop any old meta.json first so old meta never describes new files, move the
+        # data and tokenizer files into place, and write meta.json last.
+        (out_dir / "meta.json").unlink(missing_ok=True)
+        for name in ["train.bin", "val.bin", *tok.files()]:
+            os.replace(stage / name, out_dir / name)
+        atomic_write_bytes(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+        return meta
+    except OSError as e:
+        raise UserError(f"cannot read or write {e.filename or str(out_dir)!r} ({e.strerror}); check "
+                        f"permissions and free space, or choose another --out_dir") from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created and out_dir.is_dir() and not (out_dir / "meta.json").exists():
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def load_meta(data_dir: str | os.PathLike) -> dict:
+    """Read and check a prepared data dir's meta.json (and that the .bin files match it)."""
+    d = Path(data_dir)
+    how = f"prepare it with: python -m gpt.data --input YOUR_TEXT_FILES --tokenizer gpt2 --out_dir {d}"
+    if not d.is_dir():
+        raise UserError(f"data dir {str(d)!r} does not exist; {how}")
+    path = d / "meta.json"
+    if not path.is_file():
+        raise UserError(f"{str(d)!r} is not a prepared data dir (no meta.json); {how}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{str(path)!r} is unreadable ({e}); {how}") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        got = meta.get("format_version") if isinstance(meta, dict) else None
+        raise UserError(f"{str(d)!r} was prepared with data format version {got!r}, this code reads "
+                        f"version {FORMAT_VERSION}; re-prepare it ({how})")
+    try:
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        for split in SPLITS:
+            want = int(meta["splits"][split]["tokens"]) * itemsize
+            f = d / f"{split}.bin"
+            if not f.is_file() or f.stat().st_size != want:
+                raise UserError(f"{str(f)!r} is missing or does not match meta.json ({want} bytes expected); "
+                                f"the data dir is corrupt, re-prepare it ({how})")
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{str(path)!r} is incomplete or malformed; re-prepare it ({how})") from None
+    return meta
+
+
+def check_split_sizes(meta: dict, block_size: int) -> None:
+    """Each split needs at least block_size+1 tokens to cut one (input, target) window from."""
+    need = int(block_size) + 1
+    for split in SPLITS:
+        have = int(meta["splits"][split]["tokens"])
+        if have < need:
+            hint = "a larger --val_fraction when preparing" if split == "val" else "more text"
+            raise UserError(f"the {split} split has {have} tokens, but block_size={block_size} needs at "
+                            f"least {need}; use a smaller --block_size or {hint}")
+
+
+def cache_key(files: list[Path], tokenizer: str, *, val_fraction: float, include: str, errors: str) -> str:
+    """Hash of everything that determines a prepared data dir (files by path, size and mtime)."""
+    items = []
+    for f in files:
+        st = f.stat()
+        items.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    blob = json.dumps({"format_version": FORMAT_VERSION, "tokenizer": tokenizer, "val_fraction": val_fraction,
+                       "include": include, "errors": errors, "sources": items}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def ensure_prepared(input_paths: Sequence[str | os.PathLike], tokenizer: str, cache_root: str | os.PathLike,
+                    **kw) -> Path:
+    """Prepare `input_paths` into a cache dir named by a hash of inputs and settings, or reuse it.
+
+    The key covers each file's resolved path, size and mtime, the tokenizer, val_fraction,
+    include, errors and FORMAT_VERSION, so editing a file or changing a setting re-prepares;
+    a second call with the same inputs returns at once without re-tokenizing.
+    """
+    val_fraction = kw.get("val_fraction", 0.1)
+    include = kw.get("include", "*.txt")
+    errors = kw.get("errors", "strict")
+    parse_name(tokenizer)
+    files = resolve_inputs(input_paths, include)
+    key = cache_key(files, tokenizer, val_fraction=val_fraction, include=include, errors=errors)
+    stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in files[0].stem)[:40]
+    name = f"{stem}{'-etc' if len(files) > 1 else ''}-{tokenizer.replace(':', '')}-{key[:12]}"
+    d = Path(cache_root) / name
+    if (d / "meta.json").is_file():
+        try:
+            load_meta(d)
+            return d
+        except UserError:
+            pass  # stale or corrupt: prepare again below
+    prepare(files, tokenizer, d, **kw)
+    return d
+
+
+def default_data_dir(root: str | os.PathLike = "data") -> Path:
+    """The bundled tiny-shakespeare, char-tokenized (nanoGPT's shakespeare_char), prepared on
+    first use into ``<root>/shakespeare_char``. A relative root is relative to the repo root."""
+    root = Path(root)
+    if not root.is_absolute():
+        root = REPO_ROOT / root
+    out = root / "shakespeare_char"
+    if not (out / "meta.json").is_file():
+        src = root / "shakespeare.txt"
+        if not src.is_file():
+            raise UserError(f"bundled corpus {str(src)!r} is missing; restore it from git or pass --data_dir")
+        prepare([src], "char", out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches
+
+def _check_int(name: str, value, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise UserError(f"{name}={value!r} must be an integer >= {lo}")
+    return int(value)
+
+
+class Batches:
+    """Random (x, y) windows from one split of a prepared data dir.
+
+    Batch i uses ``np.random.default_rng([seed, i])`` to draw the offsets of the whole *global*
+    batch, and this process keeps rows [process_index*B/P, (process_index+1)*B/P): every process
+    agrees on the global batch without communicating, and the state is just {seed, index}.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, split: str, block_size: int, batch_size: int, *,
+                 seed: int, process_index: int = 0, process_count: int = 1):
+        if split not in SPLITS:
+            raise UserError(f"split {split!r} is not valid; use train or val")
+        self.block_size = _check_int("block_size", block_size, 1)
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.seed = _check_int("seed", seed, 0)
+        self.process_count = _check_int("process_count", process_count, 1)
+        self.process_index = _check_int("process_index", process_index, 0)
+        if self.process_index >= self.process_count:
+            raise UserError(f"process_index={process_index} must be < process_count={process_count}")
+        if self.batch_size % self.process_count:
+            raise UserError(f"batch_size={batch_size} (global) is not divisible by the {process_count} "
+                            f"processes; use a multiple of {process_count}")
+        self.data_dir = Path(data_dir)
+        self.split = split
+        self.meta = load_meta(self.data_dir)
+        check_split_sizes(self.meta, self.block_size)
+        # Opened once: re-creating the memmap per batch (as nanoGPT does) leaks memory.
+        self.data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.dtype(self.meta["dtype"]), mode="r")
+        self.n_tokens = int(self.data.shape[0])
+        self.local_batch_size = self.batch_size // self.process_count
+        self.index = 0
+
+    def offsets(self, index: int) -> np.ndarray:
+        """Start offsets of the global batch `index`, in [0, n_tokens - block_size - 1]."""
+        rng = np.random.default_rng([self.seed, index])
+        return rng.integers(0, self.n_tokens - self.block_size, size=self.batch_size)
+
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        """This process's rows of the next batch: int32 x, y of shape [B_local, block_size]."""
+        lo = self.process_index * self.local_batch_size
+        offs = self.offsets(self.index)[lo:lo + self.local_batch_size]
+        self.index += 1
+        windows = np.stack([self.data[o:o + self.block_size + 1] for o in offs]).astype(np.int32)
+        return windows[:, :-1], windows[:, 1:]
+
+    __next__ = next
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def state(self) -> dict:
+        return {"seed": self.seed, "index": self.index}
+
+    def restore(self, state: dict) -> None:
+        if not isinstance(state, dict) or "seed" not in state or "index" not in state:
+            raise UserError(f"data loader state {state!r} is malformed (needs seed and index); "
+                            f"the checkpoint may be corrupt")
+        self.seed = _check_int("seed", state["seed"], 0)
+        self.index = _check_int("index", state["index"], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports mistakes as one UserError line instead of usage + exit."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}; see python -m gpt.data --help")
+
+
+def main(argv: Sequence[str]) -> int:
+    p = _ArgumentParser(prog="python -m gpt.data",
+                        description="Tokenize text files into train.bin/val.bin + meta.json for training.")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="text files, folders (searched recursively) or glob patterns")
+    p.add_argument("--tokenizer", required=True, help="gpt2 | char | bpe:N (train a byte-level BPE with N tokens)")
+    p.add_argument("--out_dir", required=True, help="data dir to write")
+    p.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of the bytes used for validation")
+    p.add_argument("--include", default="*.txt", help="file name pattern for folders (default: *.txt)")
+    p.add_argument("--errors", choices=["strict", "replace"], default="strict",
+                   help="invalid UTF-8: strict = error, replace = U+FFFD")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer threads (default: all cores)")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    meta = prepare(args.input, args.tokenizer, args.out_dir, val_fraction=args.val_fraction,
+                   include=args.include, errors=args.errors, workers=args.workers)
+    dt = time.perf_counter() - t0
+    total = sum(s["bytes"] for s in meta["sources"])
+    sp = meta["splits"]
+    print(f"prepared {args.out_dir}: {len(meta['sources'])} file(s), {total / 1e6:.1f} MB in {dt:.1f}s "
+          f"({total / 1e6 / max(dt, 1e-9):.1f} MB/s); tokenizer {args.tokenizer} (vocab {meta['vocab_size']}, "
+          f"{meta['dtype']}); train {sp['train']['tokens']:,} tokens, val {sp['val']['tokens']:,} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

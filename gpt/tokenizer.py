@@ -1,0 +1,411 @@
+"""Tokenizers: GPT-2 BPE, characters, and byte-level BPE trained on your own corpus.
+
+Three kinds, one interface (`Tokenizer`):
+
+- ``gpt2``: OpenAI's GPT-2 byte-level BPE (50257 ids), built offline from the bundled
+  ``data/gpt2.tiktoken`` ranks file. `tiktoken.get_encoding("gpt2")` would download that file;
+  training must never need the network, so we build the same `tiktoken.Encoding` ourselves.
+- ``char``: one id per character of the corpus, sorted (nanoGPT's shakespeare_char: 65 ids).
+  No end-of-text token. The alphabet is stored in the spec itself.
+- ``bpe:N``: a byte-level BPE with exactly N regular tokens trained with Hugging Face
+  `tokenizers`, converted to a tiktoken ranks file (``tokenizer.tiktoken``) so that encoding
+  runs through the same fast tiktoken code path as GPT-2, plus ``<|endoftext|>`` = N.
+
+A tokenizer is described by a small JSON-serialisable `spec`; `load_tokenizer(spec, base_dir)`
+rebuilds it, with any files the spec names (`Tokenizer.files()`) resolved relative to
+``base_dir`` (a prepared data dir, or a checkpoint dir the files were copied into).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import secrets
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import tiktoken
+
+from gpt.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GPT2_RANKS_FILE = REPO_ROOT / "data" / "gpt2.tiktoken"
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# GPT-2's pre-tokenizer regex (tiktoken's r50k_base): contractions, letters, numbers, punctuation
+# runs and whitespace, each optionally with one leading space. BPE never merges across pieces.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOT = "<|endoftext|>"
+BPE_FILE = "tokenizer.tiktoken"
+NAMES = ("gpt2", "char", "bpe:N")
+REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """Text <-> token ids. Subclasses fill in the methods; this class documents the contract.
+
+    Attributes:
+        vocab_size: number of ids, specials included (ids are 0 .. vocab_size-1).
+        eot_id: id of the end-of-text token that separates documents, or None (char).
+        spec: JSON-serialisable description; `load_tokenizer(spec, base_dir)` rebuilds it.
+    """
+
+    vocab_size: int
+    eot_id: int | None
+    spec: dict
+
+    def encode(self, text: str) -> list[int]:
+        """Ids for plain text. Special-token strings in `text` are encoded as ordinary text."""
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` for many texts (parallel where the implementation allows)."""
+        return [self.encode(t) for t in texts]
+
+    def encode_array(self, text: str, dtype: np.dtype | type = np.uint32) -> np.ndarray:
+        """`encode` as a 1-D numpy array; data preparation appends these to the .bin files."""
+        return np.asarray(self.encode(text), dtype=dtype)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text for ids. Never raises for ids the model can emit: unknown ids and partial
+        UTF-8 sequences decode to U+FFFD (the model's head may be padded beyond vocab_size)."""
+        raise NotImplementedError
+
+    def files(self) -> list[str]:
+        """Names (relative to base_dir) of the files the spec refers to; copy them with it."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+class TiktokenTokenizer(Tokenizer):
+    """Byte-level BPE through tiktoken (GPT-2 and trained bpe:N): fast, Rust, releases the GIL."""
+
+    def __init__(self, encoding: tiktoken.Encoding, spec: dict, files: Sequence[str] = ()):
+        self.encoding = encoding
+        self.vocab_size = encoding.n_vocab
+        self.eot_id = encoding.eot_token
+        self.spec = spec
+        self._files = list(files)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def encode_array(self, text: str, dtype: np.dtype | type = np.uint32) -> np.ndarray:
+        # Straight into a numpy buffer: no Python list of ints, so far less time holding the GIL
+        # (data preparation runs this in a thread pool). Empty special set = ordinary encoding.
+        try:
+            ids = self.encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        except UnicodeEncodeError:  # lone surrogates: take tiktoken's repair path
+            ids = np.asarray(self.encode(text), dtype=np.uint32)
+        return ids.astype(dtype, copy=False)
+
+    def encode_batch(self, texts: list[str], num_threads: int | None = None) -> list[list[int]]:
+        return self.encoding.encode_ordinary_batch(texts, num_threads=num_threads or os.cpu_count() or 1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        if all(0 <= i < self.vocab_size for i in ids):
+            return self.encoding.decode(ids, errors="replace")
+        # Ids outside the vocabulary (e.g. from a padded LM head) become U+FFFD; runs of valid
+        # ids are decoded together so that multi-byte characters split across tokens survive.
+        out, run = [], []
+        for i in ids:
+            if 0 <= i < self.vocab_size:
+                run.append(i)
+            else:
+                out.append(self.encoding.decode_bytes(run))
+                out.append(REPLACEMENT.encode())
+                run = []
+        out.append(self.encoding.decode_bytes(run))
+        return b"".join(out).decode("utf-8", errors="replace")
+
+    def files(self) -> list[str]:
+        return list(self._files)
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character, in sorted order. Encoding a character outside the alphabet is a
+    user error (typically a sampling prompt), reported with the offending characters."""
+
+    def __init__(self, chars: str):
+        if not chars or len(set(chars)) != len(chars) or list(chars) != sorted(chars):
+            raise UserError("char tokenizer spec is corrupt (alphabet must be sorted unique characters); "
+                            "re-run data preparation")
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self.eot_id = None
+        self.spec = {"kind": "char", "chars": chars, "vocab_size": len(chars), "eot_id": None}
+        self._codepoints = np.array([ord(c) for c in chars], dtype=np.uint32)  # sorted
+
+    def encode_array(self, text: str, dtype: np.dtype | type = np.uint32) -> np.ndarray:
+        # Vectorised: code points -> position in the sorted alphabet (binary search), ~100x
+        # faster than a Python dict lookup per character on a large corpus.
+        cps = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype=np.uint32)
+        idx = np.searchsorted(self._codepoints, cps)
+        idx_clipped = np.minimum(idx, self.vocab_size - 1)
+        bad = self._codepoints[idx_clipped] != cps
+        if bad.any():
+            unknown = sorted({chr(c) for c in cps[bad].tolist()})
+            shown = ", ".join(repr(c) for c in unknown[:10]) + (" ..." if len(unknown) > 10 else "")
+            raise UserError(f"text contains {len(unknown)} character(s) not in the char tokenizer's "
+                            f"vocabulary: {shown}; remove them or prepare the data with a byte-level "
+                            f"tokenizer (gpt2 or bpe:N), which can encode any text")
+        return idx.astype(dtype)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def decode(self, ids: Iterable[int]) -> str:
+        n = self.vocab_size
+        return "".join(self.chars[i] if 0 <= i < n else REPLACEMENT for i in (int(j) for j in ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2 byte <-> unicode table (byte-level BPE vocabularies store bytes as printable characters)
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable unicode characters.
+
+    Printable Latin-1 bytes map to themselves; the rest (control, space, ...) to U+0100 onwards.
+    Hugging Face's ByteLevel pre-tokenizer uses the same table, so its vocabulary strings can be
+    turned back into the raw bytes tiktoken wants.
+    """
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def unicode_to_bytes(token: str) -> bytes:
+    """Inverse of `bytes_to_unicode` for one vocabulary string."""
+    table = _unicode_to_byte()
+    return bytes(table[ch] for ch in token)
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks files
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_ranks(path: Path, expected_sha256: str | None) -> dict[bytes, int]:
+    """Read a tiktoken ranks file (`base64(token) rank` per line), checking its sha256.
+
+    Same format and parsing as `tiktoken.load.load_tiktoken_bpe`, which we do not call because it
+    also copies the file into a cache under /tmp keyed by the path and will serve that copy even
+    after the file itself is gone: a missing file must be an error here, not silently fine.
+    """
+    if not path.is_file():
+        raise UserError(f"tokenizer file {path} is missing; copy it next to the spec that names it "
+                        f"or re-run data preparation (python -m gpt.data ...)")
+    data = path.read_bytes()
+    if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
+        raise UserError(f"tokenizer file {path} does not match its recorded sha256 (modified or "
+                        f"corrupt); restore the original file or re-run data preparation")
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(data.splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError as e:
+            raise UserError(f"tokenizer file {path} line {lineno} is malformed ({e}); "
+                            f"re-run data preparation") from None
+    return ranks
+
+
+def write_ranks(ranks: dict[bytes, int], path: Path) -> str:
+    """Write a tiktoken ranks file atomically; returns its sha256."""
+    lines = b"".join(base64.b64encode(tok) + b" " + str(rank).encode() + b"\n"
+                     for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1]))
+    atomic_write_bytes(path, lines)
+    return hashlib.sha256(lines).hexdigest()
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` so readers see either the old file or the complete new one:
+    write a temporary file in the same directory, fsync, then `os.replace` (atomic on POSIX)."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    # os.open with 0o666 (not mkstemp's 0o600) so the result has the usual umask permissions.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and loading
+
+def _tiktoken_encoding(name: str, ranks: dict[bytes, int]) -> tiktoken.Encoding:
+    eot = max(ranks.values()) + 1
+    return tiktoken.Encoding(name, pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOT: eot})
+
+
+@lru_cache(maxsize=1)
+def _gpt2_encoding() -> tiktoken.Encoding:
+    # Cached: the ranks file is 50k lines and every Batches/sampler/test would otherwise re-parse it.
+    ranks = load_ranks(GPT2_RANKS_FILE, GPT2_RANKS_SHA256)
+    if len(ranks) != 50256:
+        raise UserError(f"{GPT2_RANKS_FILE} has {len(ranks)} tokens, expected 50256; restore the bundled file")
+    return _tiktoken_encoding("gpt2", ranks)
+
+
+def gpt2_tokenizer() -> TiktokenTokenizer:
+    """GPT-2's tokenizer (r50k_base): 50256 BPE tokens + <|endoftext|> = 50256."""
+    return TiktokenTokenizer(_gpt2_encoding(), {"kind": "gpt2", "vocab_size": 50257, "eot_id": 50256})
+
+
+def load_tokenizer(spec: dict, base_dir: str | Path) -> Tokenizer:
+    """Rebuild a tokenizer from its spec; files it names are read from `base_dir`."""
+    if not isinstance(spec, dict) or "kind" not in spec:
+        raise UserError(f"tokenizer spec {spec!r} is not valid (expected a dict with 'kind'); "
+                        f"re-run data preparation")
+    kind = spec["kind"]
+    if kind == "gpt2":
+        return gpt2_tokenizer()
+    if kind == "char":
+        chars = spec.get("chars")
+        if not isinstance(chars, str):
+            raise UserError("char tokenizer spec has no 'chars' alphabet; re-run data preparation")
+        return CharTokenizer(chars)
+    if kind == "bpe":
+        try:
+            n, file, sha = int(spec["n_regular"]), str(spec["file"]), spec.get("sha256")
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"bpe tokenizer spec {spec!r} is incomplete (needs n_regular, file); "
+                            f"re-run data preparation") from None
+        ranks = load_ranks(Path(base_dir) / file, sha)
+        if len(ranks) != n or sorted(ranks.values()) != list(range(n)):
+            raise UserError(f"tokenizer file {Path(base_dir) / file} has {len(ranks)} tokens, spec says {n}; "
+                            f"re-run data preparation")
+        return TiktokenTokenizer(_tiktoken_encoding(f"bpe{n}", ranks), dict(spec), files=[file])
+    raise UserError(f"unknown tokenizer kind {kind!r} in spec; valid kinds: gpt2, char, bpe")
+
+
+def parse_name(name: str) -> tuple[str, int | None]:
+    """'gpt2' | 'char' | 'bpe:N' -> (kind, N or None); anything else is a UserError."""
+    if name in ("gpt2", "char"):
+        return name, None
+    if isinstance(name, str) and name.startswith("bpe:"):
+        try:
+            n = int(name[4:])
+        except ValueError:
+            raise UserError(f"tokenizer {name!r}: N in bpe:N must be an integer, e.g. bpe:4096") from None
+        if n < 256:
+            raise UserError(f"tokenizer {name!r}: a byte-level BPE needs N >= 256 (one token per byte); "
+                            f"use e.g. bpe:4096")
+        if n >= 2**32 - 1:
+            raise UserError(f"tokenizer {name!r}: N is too large; use e.g. bpe:4096")
+        return "bpe", n
+    raise UserError(f"unknown tokenizer {name!r}; valid names: {', '.join(NAMES)} (e.g. bpe:4096)")
+
+
+def build_tokenizer(name: str, texts: Iterable[str] | None, out_dir: str | Path) -> Tokenizer:
+    """Make the tokenizer `name` ("gpt2" | "char" | "bpe:N"), learning it from `texts` if needed.
+
+    `texts` is any iterable of strings (chunks of the corpus; streamed, never joined), required
+    for char and bpe:N. Files the tokenizer needs (bpe: ``tokenizer.tiktoken``) are written
+    atomically into `out_dir`.
+    """
+    kind, n = parse_name(name)
+    if kind == "gpt2":
+        return gpt2_tokenizer()
+    if texts is None:
+        raise UserError(f"tokenizer {name!r} is learned from the corpus, but no text was given")
+    if kind == "char":
+        chars: set[str] = set()
+        for t in texts:
+            chars.update(t)
+        if not chars:
+            raise UserError("the corpus is empty, so there are no characters for the char tokenizer; "
+                            "pass non-empty text files")
+        return CharTokenizer("".join(sorted(chars)))
+    assert n is not None
+    return train_bpe(texts, n, Path(out_dir))
+
+
+def train_bpe(texts: Iterable[str], n: int, out_dir: Path) -> TiktokenTokenizer:
+    """Train a byte-level BPE with exactly `n` regular tokens and save it as tiktoken ranks."""
+    return tokenizer_from_hf(train_hf_bpe(texts, n), n, out_dir)
+
+
+def train_hf_bpe(texts: Iterable[str], n: int):
+    """Learn a byte-level BPE with Hugging Face `tokenizers` (fast, streaming, multi-threaded).
+
+    The initial alphabet is all 256 bytes (as GPT-2's printable stand-ins), so any text can be
+    encoded even if some bytes never occur in the corpus; the trainer adds merges until the
+    vocabulary holds `n` tokens.
+    """
+    from tokenizers import models, pre_tokenizers, trainers
+
+    hf = hf_bpe_tokenizer(models.BPE())
+    trainer = trainers.BpeTrainer(vocab_size=n, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=[], show_progress=False)
+    hf.train_from_iterator(texts, trainer=trainer)
+    return hf
+
+
+def tokenizer_from_hf(hf, n: int, out_dir: Path) -> TiktokenTokenizer:
+    """Convert a trained HF byte-level BPE to a tiktoken ranks file in `out_dir`.
+
+    HF's ids are 0..255 for the byte alphabet, then one per new token in merge order, which is
+    exactly the "rank" tiktoken merges by, so rank = HF id and both give the same ids for
+    ordinary text. (They could differ where one token is reachable by two different merges:
+    tiktoken merges by the rank of the concatenation, HF by the rank of the pair; the tests
+    check they agree on held-out text.)
+    """
+    vocab = hf.get_vocab()
+    if len(vocab) <= 256 and n > 256:  # nothing at all was learned
+        raise UserError("the corpus is empty or has no repeated byte pairs, so no BPE merges can be "
+                        "learned; pass more text")
+    if len(vocab) != n:
+        raise UserError(f"the corpus is too small to learn bpe:{n}: it yields only {len(vocab)} tokens; "
+                        f"use bpe:{len(vocab)} or smaller, or more text")
+    ranks = {unicode_to_bytes(tok): i for tok, i in vocab.items()}
+    if len(ranks) != n or sorted(ranks.values()) != list(range(n)):
+        raise RuntimeError("HF BPE vocabulary ids are not 0..n-1")  # a bug, not a user error
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sha = write_ranks(ranks, out_dir / BPE_FILE)
+    spec = {"kind": "bpe", "n_regular": n, "file": BPE_FILE, "sha256": sha, "vocab_size": n + 1, "eot_id": n}
+    return TiktokenTokenizer(_tiktoken_encoding(f"bpe{n}", ranks), spec, files=[BPE_FILE])
+
+
+def hf_bpe_tokenizer(model):
+    """A Hugging Face tokenizer with GPT-2's byte-level pre-tokenizer around `model`
+    (also used by the tests to check our tiktoken conversion against HF's own encoder)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, pre_tokenizers
+
+    hf = HFTokenizer(model)
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    return hf

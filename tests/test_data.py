@@ -1,0 +1,364 @@
+"""Data preparation and batches: exact streaming, splits, documents, atomicity, errors, loader state."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import gpt.data as data
+from gpt.data import (_PRINTABLE, FORMAT_VERSION, Batches, check_split_sizes, default_data_dir, ensure_prepared,
+                      find_cut, load_meta, prepare, resolve_inputs, token_dtype)
+from gpt.errors import UserError
+from gpt.tokenizer import TiktokenTokenizer, build_tokenizer, load_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+SHAKESPEARE = (REPO / "data" / "shakespeare.txt").read_text(encoding="utf-8")
+GPT2 = build_tokenizer("gpt2", None, "unused")
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.write_bytes if isinstance(text, bytes) else lambda t: path.write_text(t, encoding="utf-8"))(text)
+    return path
+
+
+def read_bin(d: Path, split: str) -> np.ndarray:
+    meta = json.loads((d / "meta.json").read_text())
+    return np.fromfile(d / f"{split}.bin", dtype=meta["dtype"])
+
+
+def leftovers(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+@pytest.fixture(scope="module")
+def char_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("char")
+    src = write(d / "src" / "input.txt", SHAKESPEARE[:20_000])
+    prepare([src], "char", d / "out", val_fraction=0.1)
+    return d / "out"
+
+
+# ----- prepare: contents
+
+def test_token_dtype():
+    assert token_dtype(65) == np.uint16 and token_dtype(50257) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32 and token_dtype(200_000) == np.uint32
+
+
+def test_char_matches_nanogpt_split(char_dir):
+    meta = load_meta(char_dir)
+    assert meta["format_version"] == FORMAT_VERSION and meta["dtype"] == "uint16"
+    assert meta["splits"]["train"] == {"tokens": 18_000, "bytes": 18_000}  # int(n * 0.9)
+    assert meta["splits"]["val"] == {"tokens": 2_000, "bytes": 2_000}
+    tok = load_tokenizer(meta["tokenizer"], char_dir)
+    assert tok.decode(read_bin(char_dir, "train")) + tok.decode(read_bin(char_dir, "val")) == SHAKESPEARE[:20_000]
+    assert meta["sources"][0]["bytes"] == 20_000 and len(meta["sources"][0]["sha256"]) == 64
+
+
+@pytest.mark.parametrize("chunk", [3000, 1 << 20])
+def test_gpt2_streaming_is_exact(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(data, "CHUNK_BYTES", chunk)  # many small pieces: cuts must not change tokens
+    text = SHAKESPEARE[:60_000] + "\n\nnon-ASCII: héllo 你好 🎉\n" * 50
+    src = write(tmp_path / "a.txt", text)
+    meta = prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0, workers=2)
+    assert read_bin(tmp_path / "out", "train").tolist() == GPT2.encode(text)
+    assert meta["splits"]["val"]["tokens"] == 0 and meta["bytes_per_token"]["val"] is None
+
+
+def test_streaming_is_exact_with_crlf(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CHUNK_BYTES", 2000)
+    text = SHAKESPEARE[:30_000].replace("\n", "\r\n")
+    src = write(tmp_path / "a.txt", text.encode())
+    prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0)
+    assert read_bin(tmp_path / "out", "train").tolist() == GPT2.encode(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="aZ1's ll!.,\n\r\t \u00a0\u3000é你🎉-", max_size=40))
+def test_cut_points_do_not_change_tokens(text):
+    """Every place find_cut prefers (whitespace after printable ASCII) is a pre-token boundary."""
+    buf = text.encode()
+    for i in range(1, len(buf)):
+        if buf[i - 1] in _PRINTABLE and buf[i] in b" \t\r\n":
+            a, b = buf[:i].decode(), buf[i:].decode()
+            assert GPT2.encode(a) + GPT2.encode(b) == GPT2.encode(text), (a, b)
+    cut = find_cut(buf)
+    assert 0 <= cut <= len(buf)
+    buf[:cut].decode()  # never splits a character
+
+
+def test_split_sizes_add_up(tmp_path):
+    text = SHAKESPEARE[:40_000] + "ünïcödé ✓\n" * 300
+    src = write(tmp_path / "a.txt", text)
+    meta = prepare([src], "gpt2", tmp_path / "out", val_fraction=0.25)
+    sp, total = meta["splits"], len(text.encode())
+    assert sp["train"]["bytes"] + sp["val"]["bytes"] == total == meta["sources"][0]["bytes"]
+    assert abs(sp["val"]["bytes"] / total - 0.25) < 0.001
+    train, val = read_bin(tmp_path / "out", "train"), read_bin(tmp_path / "out", "val")
+    assert (len(train), len(val)) == (sp["train"]["tokens"], sp["val"]["tokens"])
+    assert GPT2.decode(train.tolist()) + GPT2.decode(val.tolist()) == text
+
+
+def test_documents_separated_by_eot(tmp_path):
+    docs = ["First document.\n", "", "Second, with ünicode.\n", "Third"]
+    files = [write(tmp_path / "docs" / f"{i}.txt", t) for i, t in enumerate(docs)]
+    prepare([tmp_path / "docs"], "gpt2", tmp_path / "out", val_fraction=0.0)
+    want = GPT2.encode(docs[0]) + [50256] + GPT2.encode(docs[2]) + [50256] + GPT2.encode(docs[3])
+    assert read_bin(tmp_path / "out", "train").tolist() == want
+    prepare(files, "char", tmp_path / "char", val_fraction=0.0)  # char has no eot: plain concatenation
+    tok = load_tokenizer(load_meta(tmp_path / "char")["tokenizer"], tmp_path / "char")
+    assert tok.decode(read_bin(tmp_path / "char", "train")) == "".join(docs)
+
+
+def test_uint32_for_large_vocab(tmp_path, monkeypatch):
+    class Big(TiktokenTokenizer):  # GPT-2 ids shifted above 65535
+        def encode_array(self, text, dtype=np.uint32):
+            return (np.asarray(self.encode(text), dtype=np.int64) + 60_000).astype(dtype)
+
+    big = Big(GPT2.encoding, {"kind": "gpt2"})
+    big.vocab_size, big.eot_id = 120_000, 110_256
+    monkeypatch.setattr(data, "build_tokenizer", lambda *a: big)
+    src = write(tmp_path / "a.txt", SHAKESPEARE[:3000])
+    meta = prepare([src], "gpt2", tmp_path / "out")
+    assert meta["dtype"] == "uint32" and (tmp_path / "out" / "train.bin").stat().st_size == 4 * meta["splits"]["train"]["tokens"]
+    x, _ = Batches(tmp_path / "out", "train", 8, 2, seed=0).next()
+    assert x.min() >= 60_000
+
+
+def test_bpe_prepare_writes_tokenizer_file(tmp_path):
+    src = write(tmp_path / "a.txt", SHAKESPEARE[:60_000])
+    meta = prepare([src], "bpe:300", tmp_path / "out")
+    assert meta["vocab_size"] == 301 and (tmp_path / "out" / "tokenizer.tiktoken").is_file()
+    tok = load_tokenizer(meta["tokenizer"], tmp_path / "out")
+    assert tok.decode(read_bin(tmp_path / "out", "train").tolist()) == SHAKESPEARE[:54_000]
+
+
+def test_backends_agree(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CHUNK_BYTES", 8192)  # several pieces in flight
+    src = write(tmp_path / "a.txt", SHAKESPEARE[:60_000])
+    outs = {}
+    for backend in ["auto", "thread", "process"]:
+        prepare([src], "gpt2", tmp_path / backend, workers=2, backend=backend)
+        outs[backend] = read_bin(tmp_path / backend, "train").tolist()
+    assert outs["auto"] == outs["thread"] == outs["process"] == GPT2.encode(SHAKESPEARE[:54_000])
+    with pytest.raises(UserError, match="backend"):
+        prepare([src], "gpt2", tmp_path / "x", backend="gpu")
+
+
+def test_resolve_inputs_order_include_and_glob(tmp_path):
+    for name in ["b/2.txt", "b/1.txt", "a.txt", "b/skip.md", "b/.hidden/x.txt"]:
+        write(tmp_path / name, "x")
+    got = resolve_inputs([tmp_path / "b", tmp_path / "a.txt", tmp_path / "b" / "1.txt"])
+    assert [p.relative_to(tmp_path).as_posix() for p in got] == ["b/1.txt", "b/2.txt", "a.txt"]
+    got = resolve_inputs([str(tmp_path / "b" / "*.md")])
+    assert [p.name for p in got] == ["skip.md"]
+    assert [p.name for p in resolve_inputs([tmp_path / "b"], include="*.md")] == ["skip.md"]
+
+
+# ----- prepare: bad input, atomicity
+
+@pytest.mark.parametrize("case, match", [
+    ("missing", "does not exist"),
+    ("empty", "empty"),
+    ("nonutf8", "not valid UTF-8"),
+    ("binary", "looks binary"),
+    ("tokenizer", "valid names"),
+    ("nomatch", "no files matching"),
+])
+def test_bad_input_is_user_error_and_leaves_nothing(tmp_path, case, match):
+    out = tmp_path / "out"
+    good = write(tmp_path / "good.txt", "fine text\n" * 100)
+    inputs, tok = [good], "char"
+    if case == "missing":
+        inputs = [good, tmp_path / "nope.txt"]
+    elif case == "empty":
+        inputs = [write(tmp_path / "e.txt", "")]
+    elif case == "nonutf8":
+        inputs = [good, write(tmp_path / "bad.txt", b"caf\xc3\xa9 ok \xff\xfe rest")]
+    elif case == "binary":
+        inputs = [good, write(tmp_path / "bin.txt", b"abc\x00\x01")]
+    elif case == "tokenizer":
+        tok = "wordpiece"
+    elif case == "nomatch":
+        (tmp_path / "dir").mkdir()
+        inputs = [tmp_path / "dir"]
+    with pytest.raises(UserError, match=match) as e:
+        prepare(inputs, tok, out)
+    if case == "missing":
+        assert "nope.txt" in str(e.value)
+    if case == "nonutf8":
+        assert "bad.txt" in str(e.value) and "offset 9" in str(e.value) and "--errors=replace" in str(e.value)
+    if case == "binary":
+        assert "bin.txt" in str(e.value) and "offset 3" in str(e.value)
+    assert not out.exists()
+
+
+def test_errors_replace(tmp_path):
+    src = write(tmp_path / "bad.txt", b"caf\xc3\xa9 \xff ok\n")
+    meta = prepare([src], "char", tmp_path / "out", errors="replace", val_fraction=0.0)
+    tok = load_tokenizer(meta["tokenizer"], tmp_path / "out")
+    assert tok.decode(read_bin(tmp_path / "out", "train")) == "café \ufffd ok\n"
+
+
+def test_unwritable_out_dir(tmp_path):
+    src = write(tmp_path / "a.txt", "text\n")
+    blocker = write(tmp_path / "file", "not a folder")
+    with pytest.raises(UserError, match="out_dir"):
+        prepare([src], "char", blocker / "sub")
+    with pytest.raises(UserError, match="not a folder"):
+        prepare([src], "char", blocker)
+
+
+def test_failure_keeps_previous_data_and_no_partial_output(tmp_path, monkeypatch):
+    src = write(tmp_path / "a.txt", SHAKESPEARE[:5000])
+    out = tmp_path / "out"
+    old_meta = prepare([src], "char", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data, "_tokenize_to_files", boom)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([src], "gpt2", out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched, no staging dir left
+    assert load_meta(out) == old_meta
+    with pytest.raises(KeyboardInterrupt):
+        prepare([src], "gpt2", tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()
+
+
+# ----- meta checks
+
+def test_load_meta_and_split_sizes(tmp_path, char_dir):
+    with pytest.raises(UserError, match="python -m gpt.data"):
+        load_meta(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no meta.json"):
+        load_meta(tmp_path / "empty")
+    meta = load_meta(char_dir)
+    check_split_sizes(meta, 1999)
+    with pytest.raises(UserError) as e:
+        check_split_sizes(meta, 2000)
+    assert "val split has 2000 tokens" in str(e.value) and "at least 2001" in str(e.value)
+    broken = tmp_path / "broken"
+    shutil.copytree(char_dir, broken)
+    (broken / "val.bin").write_bytes(b"\x00\x00")
+    with pytest.raises(UserError, match="does not match meta.json"):
+        load_meta(broken)
+
+
+# ----- batches
+
+def test_batches_are_shifted_windows(char_dir):
+    b = Batches(char_dir, "train", block_size=32, batch_size=6, seed=3)
+    mm = np.fromfile(char_dir / "train.bin", dtype=np.uint16)
+    offsets = b.offsets(0)
+    x, y = b.next()
+    assert x.shape == y.shape == (6, 32) and x.dtype == y.dtype == np.int32
+    for row, o in enumerate(offsets):
+        assert (x[row] == mm[o:o + 32]).all() and (y[row] == mm[o + 1:o + 33]).all()
+    assert b.state() == {"seed": 3, "index": 1}
+
+
+def test_batch_offsets_stay_in_range(tmp_path):
+    src = write(tmp_path / "a.txt", "abcdefghij" * 2)
+    prepare([src], "char", tmp_path / "out", val_fraction=0.5)  # 10 tokens per split
+    b = Batches(tmp_path / "out", "val", block_size=9, batch_size=16, seed=0)
+    x, y = b.next()  # n_tokens == block_size + 1: the only window starts at 0
+    assert (x == x[0]).all() and (y[:, :-1] == x[:, 1:]).all()
+    b = Batches(tmp_path / "out", "train", block_size=5, batch_size=64, seed=0)
+    assert {int(o) for i in range(20) for o in b.offsets(i)} == set(range(5))  # 0 .. n - block_size - 1
+    with pytest.raises(UserError, match="at least 11"):
+        Batches(tmp_path / "out", "train", block_size=10, batch_size=1, seed=0)
+
+
+def test_state_round_trip(char_dir):
+    a = Batches(char_dir, "train", 16, 4, seed=7)
+    for _ in range(3):
+        a.next()
+    state = json.loads(json.dumps(a.state()))
+    want = [a.next() for _ in range(2)]
+    b = Batches(char_dir, "train", 16, 4, seed=0)
+    b.restore(state)
+    for (x1, y1), (x2, y2) in zip(want, [b.next() for _ in range(2)]):
+        assert (x1 == x2).all() and (y1 == y2).all()
+    with pytest.raises(UserError, match="malformed"):
+        b.restore({"index": 1})
+
+
+def test_process_slices_partition_the_global_batch(char_dir):
+    single = [Batches(char_dir, "train", 16, 8, seed=1).next() for _ in range(1)][0]
+    parts = [Batches(char_dir, "train", 16, 8, seed=1, process_index=i, process_count=4) for i in range(4)]
+    xs = [p.next()[0] for p in parts]
+    assert all(x.shape == (2, 16) for x in xs)
+    assert (np.concatenate(xs) == single[0]).all()
+    rows = [set(range(i * 2, i * 2 + 2)) for i in range(4)]  # rows each process owns: disjoint
+    assert sum(len(r) for r in rows) == len(set().union(*rows)) == 8
+    with pytest.raises(UserError, match="not divisible"):
+        Batches(char_dir, "train", 16, 6, seed=1, process_count=4)
+    with pytest.raises(UserError, match="split"):
+        Batches(char_dir, "test", 16, 8, seed=1)
+
+
+def test_iter(char_dir):
+    it = iter(Batches(char_dir, "val", 8, 2, seed=0))
+    x, y = next(it)
+    assert x.shape == (2, 8)
+
+
+# ----- caching and defaults
+
+def test_ensure_prepared_reuses(tmp_path, monkeypatch):
+    src = write(tmp_path / "in" / "a.txt", SHAKESPEARE[:3000])
+    calls = []
+    real = data.prepare
+    monkeypatch.setattr(data, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    d1 = ensure_prepared([tmp_path / "in"], "char", tmp_path / "cache")
+    mtime = (d1 / "meta.json").stat().st_mtime_ns
+    d2 = ensure_prepared([tmp_path / "in"], "char", tmp_path / "cache")
+    assert d1 == d2 and len(calls) == 1 and (d1 / "meta.json").stat().st_mtime_ns == mtime
+    assert ensure_prepared([tmp_path / "in"], "char", tmp_path / "cache", val_fraction=0.2) != d1
+    write(src, SHAKESPEARE[:3001])  # content changed: new key
+    assert ensure_prepared([tmp_path / "in"], "char", tmp_path / "cache") != d1
+    assert len(calls) == 3
+
+
+def test_default_data_dir(tmp_path):
+    shutil.copy(REPO / "data" / "shakespeare.txt", tmp_path / "shakespeare.txt")
+    d = default_data_dir(tmp_path)
+    meta = load_meta(d)
+    assert d == tmp_path / "shakespeare_char" and meta["vocab_size"] == 65
+    assert (meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"]) == (1_003_854, 111_540)
+    mtime = (d / "meta.json").stat().st_mtime_ns
+    assert default_data_dir(tmp_path) == d and (d / "meta.json").stat().st_mtime_ns == mtime
+
+
+# ----- command line
+
+@pytest.mark.parametrize("args, match", [
+    (["--input", "no/such/file.txt", "--tokenizer", "char", "--out_dir", "OUT"], "does not exist"),
+    (["--input", "data/shakespeare.txt", "--out_dir", "OUT"], "--tokenizer"),
+])
+def test_cli_bad_input_one_line_exit_2(tmp_path, args, match):
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    r = subprocess.run([sys.executable, "-m", "gpt.data", *args], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and match in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_cli_prepares(tmp_path):
+    src = write(tmp_path / "a.txt", SHAKESPEARE[:5000])
+    r = subprocess.run([sys.executable, "-m", "gpt.data", "--input", str(src), "--tokenizer", "gpt2",
+                        "--out_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "train" in r.stdout and "MB/s" in r.stdout and load_meta(tmp_path / "out")["vocab_size"] == 50257

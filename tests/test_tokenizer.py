@@ -1,0 +1,200 @@
+"""Tokenizers: GPT-2 equals tiktoken's, char and trained bpe:N round-trip, errors are UserErrors."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import tiktoken
+import tiktoken.load
+from hypothesis import given, settings, strategies as st
+
+from gpt.errors import UserError
+from gpt.tokenizer import (BPE_FILE, GPT2_PATTERN, GPT2_RANKS_FILE, GPT2_RANKS_SHA256, EOT, build_tokenizer,
+                           bytes_to_unicode, hf_bpe_tokenizer, load_tokenizer, tokenizer_from_hf, train_hf_bpe,
+                           unicode_to_bytes)
+
+REPO = Path(__file__).resolve().parent.parent
+SHAKESPEARE = (REPO / "data" / "shakespeare.txt").read_text(encoding="utf-8")
+
+SAMPLES = [
+    "Hello world",
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\n",
+    "  leading and trailing   \n\n\n\t\t  ",
+    "héllo wörld, ça va? naïve café — “quotes” ‘single’",
+    "你好，世界！日本語のテキスト。한국어 텍스트",
+    "emoji 🎉🎉🎉 👩‍👩‍👧 🇫🇷 flags and ZWJ",
+    "numbers 1234567890 3.14159 -42 1e10",
+    "Ελληνικά, русский текст, עברית, العربية",
+    "code: def f(x):\n    return x**2  # comment\r\n",
+    "literal <|endoftext|> is plain text here",
+    "",
+    " ",
+    "\x00\x01\x7f control chars",
+]
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return build_tokenizer("gpt2", None, "unused")
+
+
+@pytest.fixture(scope="module")
+def reference_gpt2():
+    """tiktoken's own loader on the same bundled file (caching into /tmp disabled)."""
+    old = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""
+    try:
+        ranks = tiktoken.load.load_tiktoken_bpe(str(GPT2_RANKS_FILE), expected_hash=GPT2_RANKS_SHA256)
+    finally:
+        if old is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = old
+    return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOT: 50256})
+
+
+TRAIN_TEXT = SHAKESPEARE[:200_000]
+HELD_OUT = SHAKESPEARE[-50_000:]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """bpe:512 trained on a slice of Shakespeare, plus the HF tokenizer it was converted from."""
+    d = tmp_path_factory.mktemp("bpe")
+    chunks = [TRAIN_TEXT[i:i + 20_000] for i in range(0, len(TRAIN_TEXT), 20_000)]
+    hf = train_hf_bpe(iter(chunks), 512)
+    tok = tokenizer_from_hf(hf, 512, d)
+    return tok, hf, d
+
+
+# ----- GPT-2
+
+def test_gpt2_known_ids(gpt2):
+    assert gpt2.encode("Hello world") == [15496, 995]
+    assert gpt2.vocab_size == 50257 and gpt2.eot_id == 50256
+    assert gpt2.files() == []
+    assert gpt2.decode([50256]) == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_gpt2_matches_tiktoken_and_round_trips(gpt2, reference_gpt2, text):
+    ids = gpt2.encode(text)
+    assert ids == reference_gpt2.encode_ordinary(text)
+    assert gpt2.decode(ids) == text
+    assert gpt2.encode_array(text).tolist() == ids
+
+
+def test_gpt2_special_text_is_ordinary(gpt2):
+    ids = gpt2.encode("a<|endoftext|>b")
+    assert 50256 not in ids and gpt2.decode(ids) == "a<|endoftext|>b"
+
+
+def test_gpt2_matches_tiktoken_on_shakespeare(gpt2, reference_gpt2):
+    text = SHAKESPEARE[:100_000]
+    assert gpt2.encode(text) == reference_gpt2.encode_ordinary(text)
+    assert gpt2.encode_batch(SAMPLES) == [gpt2.encode(s) for s in SAMPLES]
+
+
+def test_decode_tolerates_any_id(gpt2):
+    ids = gpt2.encode("你")
+    assert len(ids) > 1  # a multi-byte character split across tokens
+    assert "\ufffd" in gpt2.decode(ids[:1])
+    assert gpt2.decode([15496, 60000, -1, 995]) == "Hello\ufffd\ufffd world"
+    assert isinstance(gpt2.decode(list(range(0, 50257, 97))), str)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text())
+def test_gpt2_round_trips_any_unicode(text):
+    tok = build_tokenizer("gpt2", None, "unused")
+    assert tok.decode(tok.encode(text)) == text
+
+
+# ----- char
+
+def test_char_round_trip_and_unknown(tmp_path):
+    tok = build_tokenizer("char", iter([SHAKESPEARE[:500_000], SHAKESPEARE[500_000:]]), tmp_path)
+    assert tok.vocab_size == 65 and tok.eot_id is None and tok.files() == []
+    text = SHAKESPEARE[:5000]
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("\n") == [0]
+    assert load_tokenizer(json.loads(json.dumps(tok.spec)), tmp_path).encode(text) == tok.encode(text)
+    with pytest.raises(UserError) as e:
+        tok.encode("Hello ~ wörld")
+    assert "'~'" in str(e.value) and "'ö'" in str(e.value)
+    assert tok.decode([0, 65, 1000, -3]) == "\n\ufffd\ufffd\ufffd"
+    assert list(tmp_path.iterdir()) == []  # char writes no files
+
+
+def test_char_empty_corpus(tmp_path):
+    with pytest.raises(UserError, match="empty"):
+        build_tokenizer("char", iter(["", ""]), tmp_path)
+
+
+# ----- bpe:N
+
+def test_bpe_vocab_and_files(bpe):
+    tok, hf, d = bpe
+    assert tok.vocab_size == 513 and tok.eot_id == 512
+    assert tok.files() == [BPE_FILE] and (d / BPE_FILE).is_file()
+    assert len(hf.get_vocab()) == 512
+    assert tok.decode([512]) == "<|endoftext|>"
+    assert not [p for p in d.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_bpe_matches_hf(bpe):
+    tok, hf, _ = bpe
+    for text in [HELD_OUT, *SAMPLES]:
+        assert tok.encode(text) == hf.encode(text).ids, text[:40]
+    assert tok.encode(HELD_OUT) == hf.encode(HELD_OUT).ids
+
+
+def test_bpe_reload_from_spec(bpe, tmp_path):
+    tok, _, d = bpe
+    spec = json.loads(json.dumps(tok.spec))
+    again = load_tokenizer(spec, d)
+    assert again.encode(HELD_OUT) == tok.encode(HELD_OUT) and again.vocab_size == 513
+    with pytest.raises(UserError, match="missing"):
+        load_tokenizer(spec, tmp_path)
+    (tmp_path / BPE_FILE).write_bytes((d / BPE_FILE).read_bytes() + b"\n")  # same ranks, other hash
+    with pytest.raises(UserError, match="sha256"):
+        load_tokenizer(spec, tmp_path)
+
+
+def test_bpe_build_tokenizer(tmp_path):
+    tok = build_tokenizer("bpe:300", iter([TRAIN_TEXT[:30_000]]), tmp_path)
+    assert tok.vocab_size == 301 and tok.spec["n_regular"] == 300
+    assert tok.decode(tok.encode(SAMPLES[4])) == SAMPLES[4]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text())
+def test_bpe_round_trips_any_unicode(bpe, text):
+    tok = bpe[0]
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_bpe_errors(tmp_path):
+    with pytest.raises(UserError, match="N >= 256"):
+        build_tokenizer("bpe:100", iter(["abc"]), tmp_path)
+    with pytest.raises(UserError, match="too small"):
+        build_tokenizer("bpe:5000", iter(["tiny corpus"]), tmp_path)
+    with pytest.raises(UserError, match="integer"):
+        build_tokenizer("bpe:lots", iter(["x"]), tmp_path)
+
+
+def test_unknown_name_lists_valid(tmp_path):
+    with pytest.raises(UserError) as e:
+        build_tokenizer("gpt3", None, tmp_path)
+    assert "gpt2" in str(e.value) and "char" in str(e.value) and "bpe:N" in str(e.value)
+    with pytest.raises(UserError, match="unknown tokenizer kind"):
+        load_tokenizer({"kind": "sentencepiece"}, tmp_path)
+
+
+def test_byte_table_is_a_bijection():
+    table = bytes_to_unicode()
+    assert sorted(table) == list(range(256)) and len(set(table.values())) == 256
+    assert unicode_to_bytes("".join(table[b] for b in range(256))) == bytes(range(256))
+    assert table[ord("A")] == "A" and table[ord(" ")] == "Ġ"

@@ -1,0 +1,167 @@
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from conftest import REPO, tiny_model_config
+from gpt import train as T
+from gpt.config import ModelConfig, TrainConfig, build, validate_model, validate_train
+from gpt.errors import UserError
+from gpt.model import GPT
+
+
+def configs(out_dir, data_dir, *argv):
+    (m, t), explicit = build([ModelConfig, TrainConfig],
+                             ["--preset=tiny", f"--out_dir={out_dir}", f"--data_dir={data_dir}",
+                              "--log_interval=1", "--no_progress", *argv])
+    return validate_model(m), validate_train(t), explicit
+
+
+def run(out_dir, data_dir, *argv):
+    m, t, explicit = configs(out_dir, data_dir, *argv)
+    return T.train(T.prepare_setup(m, t, explicit))
+
+
+def test_resume_is_exact(tmp_path, char_data):
+    """2N steps in one run == N steps + resume + N steps, at every step (with dropout on)."""
+    common = ["--dropout=0.1", "--eval_interval=4", "--max_iters=8", "--lr_decay_iters=8"]
+    full = run(tmp_path / "a", char_data, *common)
+    first = run(tmp_path / "b", char_data, *common, "--max_iters=4")
+    second = run(tmp_path / "b", char_data, *common, "--init_from=resume")
+    assert second["start_step"] == 4
+    resumed = dict(first["train_losses"]) | dict(second["train_losses"])
+    assert resumed == dict(full["train_losses"])  # bit-identical losses
+    assert second["val_loss"] == full["val_loss"]
+    steps = [json.loads(l)["step"] for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(l)["kind"] == "train"]
+    assert steps == list(range(1, 9))
+
+
+def test_gradient_accumulation_equals_one_large_batch(char_data):
+    cfg = tiny_model_config()
+    graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(params)
+    (_, t), _ = build([ModelConfig, TrainConfig], ["--preset=tiny"])
+    tx = T.make_optimizer(t)
+    step = jax.jit(T.make_train_step(graphdef, tx, seed=0, train_mode=False))
+    x = jax.random.randint(jax.random.key(0), (8, 32), 0, 65)
+    y = jnp.roll(x, -1, axis=1)
+    big = step(params, tx.init(params), 0, x[None], y[None])
+    acc = step(params, tx.init(params), 0, x.reshape(4, 2, 32), y.reshape(4, 2, 32))
+    assert abs(float(big[3]["loss"]) - float(acc[3]["loss"])) < 1e-6
+    for a, b in zip(jax.tree.leaves(big[0]), jax.tree.leaves(acc[0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_cross_entropy_shifted_targets_and_padding():
+    logits = jnp.log(jnp.array([[[0.5, 0.25, 0.25, 0.0]]]))  # last entry is "padding" (-inf)
+    loss = T.cross_entropy(logits, jnp.array([[1]]))
+    assert float(loss) == pytest.approx(math.log(4))
+    assert math.isfinite(float(jax.grad(lambda l: T.cross_entropy(l, jnp.array([[1]])))(logits)[0, 0, 0]))
+
+
+def test_lr_schedules():
+    (_, t), _ = build([ModelConfig, TrainConfig], ["--max_iters=100", "--warmup_iters=10",
+                                                   "--learning_rate=1.0", "--min_lr=0.1"])
+    lr = T.lr_schedule(t)
+    assert float(lr(0)) == pytest.approx(1 / 11)
+    assert float(lr(10)) == pytest.approx(1.0)
+    assert float(lr(55)) == pytest.approx(0.55)
+    assert float(lr(100)) == pytest.approx(0.1) and float(lr(500)) == pytest.approx(0.1)
+    t.lr_schedule = "constant"
+    assert float(T.lr_schedule(t)(70)) == 1.0
+    t.lr_schedule = "wsd"
+    wsd = T.lr_schedule(t)
+    assert float(wsd(50)) == 1.0 and float(wsd(90)) == pytest.approx(0.55) and float(wsd(100)) == pytest.approx(0.1)
+
+
+def test_weight_decay_only_on_matrices():
+    params = nnx.to_pure_dict(nnx.state(GPT(tiny_model_config(), rngs=nnx.Rngs(0))))
+    mask = T.decay_mask(params)
+    assert mask["wte"] and mask["wpe"] and mask["blocks"]["w_qkv"] and mask["blocks"]["w_fc"]
+    assert not mask["blocks"]["b_qkv"] and not mask["blocks"]["ln1_scale"] and not mask["lnf_scale"]
+
+
+def test_outputs_and_best_checkpoint_kept(tmp_path, char_data):
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=12", "--eval_interval=3", "--keep_checkpoints=2")
+    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-2:] == [9, 12] and len(steps) <= 3  # last 2, plus the best if it is older
+    assert (out / "loss.png").stat().st_size > 1000
+    assert list(out.glob("events.out.tfevents.*"))
+    evals = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in evals if e["kind"] == "eval"]
+    for key in ("step", "train_loss", "val_loss", "val_bpb", "lr", "tokens_per_sec", "mfu", "elapsed_sec"):
+        assert key in evals[-1]
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, char_data):
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=4", "--eval_interval=2")
+    with pytest.raises(UserError, match=r"loss became nan at step \d+"):
+        run(out, char_data, "--init_from=resume", "--max_iters=20", "--learning_rate=1e30",
+            "--min_lr=0", "--grad_clip=0", "--warmup_iters=0")
+    steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] == 4
+
+
+def test_bad_inputs(tmp_path, char_data):
+    out = tmp_path / "o"
+    with pytest.raises(UserError, match="no checkpoint found"):
+        run(out, char_data, "--init_from=resume")
+    run(out, char_data, "--max_iters=2", "--eval_interval=2")
+    with pytest.raises(UserError, match="already holds checkpoints"):
+        run(out, char_data, "--max_iters=2")
+    with pytest.raises(UserError, match=r"n_layer \(2 in the checkpoint, 3 requested\)"):
+        run(out, char_data, "--init_from=resume", "--n_layer=3")
+    with pytest.raises(UserError, match="fewer|tokens"):
+        run(tmp_path / "p", char_data, "--block_size=100000")
+    run(out, char_data, "--max_iters=2", "--eval_interval=2", "--overwrite")  # allowed
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--n_layr=2"], "did you mean --n_layer"),
+    (["--batch_size=x"], "--batch_size"),
+    (["--learning_rate=-1"], "--learning_rate"),
+    (["--init_from=resume"], "no checkpoint found"),
+])
+def test_cli_errors_are_one_line(tmp_path, args, needle):
+    r = _cli("--preset=tiny", f"--out_dir={tmp_path / 'o'}", *args)
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_sigterm_saves_and_exits_zero_then_resume(tmp_path, char_data):
+    out = tmp_path / "o"
+    args = ["--preset=tiny", f"--out_dir={out}", f"--data_dir={char_data}", "--max_iters=100000",
+            "--eval_interval=100000", "--no_progress", "--log_interval=1"]
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stderr=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    metrics = out / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "received SIGTERM" in err
+    steps = [int(d.name) for d in (out / "checkpoints").iterdir() if d.name.isdigit()]
+    assert len(steps) == 1 and steps[0] >= 3
