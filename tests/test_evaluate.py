@@ -1,0 +1,58 @@
+import json
+import math
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from conftest import REPO
+from test_train import run
+
+
+def test_evaluate_matches_direct_loss_and_reports_bpb(tmp_path, char_data):
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=4", "--eval_interval=4")
+    text = (REPO / "data" / "shakespeare.txt").read_text()[:3000]
+    f = tmp_path / "t.txt"
+    f.write_text(text)
+    r = subprocess.run([sys.executable, "-m", "gpt.evaluate", f"--out_dir={out}", "--input", str(f)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    from gpt.checkpoint import load_model
+    from gpt.train import cross_entropy
+    model, _, tok = load_model(out, "float32")
+    ids = np.array(tok.encode(text))
+    T = model.cfg.block_size
+    total, n = 0.0, 0
+    for i in range(0, len(ids) - 1, T):
+        w = ids[i:i + T + 1]
+        logits, _ = model(jnp.asarray(w[None, :-1]))
+        total += float(cross_entropy(logits, jnp.asarray(w[None, 1:]))) * (len(w) - 1)
+        n += len(w) - 1
+    assert res["tokens"] == n == len(ids) - 1
+    assert abs(res["loss"] - total / n) < 1e-4
+    assert abs(res["bpb"] - total / math.log(2) / len(text.encode())) < 1e-4
+    assert abs(res["perplexity"] - math.exp(res["loss"])) < 1e-3
+
+
+def test_sample_cli_streams_and_stops(tmp_path, char_data):
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=4", "--eval_interval=4")
+    r = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--prompt=ROMEO:",
+                        "--max_new_tokens=30", "--seed=1"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ROMEO:") and len(r.stdout) >= len("ROMEO:") + 30
+    again = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", "--prompt=ROMEO:",
+                            "--max_new_tokens=30", "--seed=1", "--num_samples=2"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("ROMEO:") == 2
+    assert again.stdout.split("\n---------------\n")[0].strip() == r.stdout.strip()  # same seed, same text
+    for bad, needle in [(["--prompt=ROMEO\u00e9"], "'\u00e9'"), (["--top_p=0"], "--top_p"),
+                        (["--top_k=1000"], "--top_k"), ([f"--out_dir={tmp_path / 'none'}"], "no checkpoint")]:
+        r = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", *bad], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
