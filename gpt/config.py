@@ -56,7 +56,7 @@ class TrainConfig:
     # I/O
     out_dir: str = "out"
     data_dir: str = ""  # a prepared data dir (python -m gpt.data); empty: the bundled Shakespeare
-    input: list[str] = field(default_factory=list)  # text files/folders/globs, prepared and cached
+    input: list[str] = field(default_factory=list, metadata={"sep": ","})  # files/folders/globs
     tokenizer: str = "char"  # with --input: gpt2 | char | bpe:N
     init_from: str = "scratch"  # scratch | resume | gpt2 | <checkpoint dir>
     overwrite: bool = False
@@ -152,12 +152,16 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 
-def parse_value(key: str, raw: Any, typ: Any) -> Any:
-    """Convert `raw` (a string from the command line, or a TOML/JSON value) to the field's type."""
+def parse_value(key: str, raw: Any, typ: Any, sep: str | None = None) -> Any:
+    """Convert `raw` (a string from the command line, or a TOML/JSON value) to the field's type.
+
+    List fields take one item per flag (repeat the flag for more), or `sep`-separated items where
+    the field declares a separator (paths: --input=a.txt,b/).
+    """
     if typing.get_origin(typ) is list:
         if isinstance(raw, list):
             return [str(x) for x in raw]
-        return [s for s in str(raw).split(",") if s]
+        return [x for x in str(raw).split(sep) if x] if sep else [str(raw)]
     if typ is bool:
         if isinstance(raw, bool):
             return raw
@@ -258,8 +262,10 @@ def build(classes: Sequence[type], argv: Sequence[str], default_preset: str | No
     callers use to decide e.g. whether a checkpoint's value or the user's wins.
     """
     types: dict[str, Any] = {}
+    seps: dict[str, str] = {}
     for cls in classes:
         types.update(_field_types(cls))
+        seps.update({f.name: f.metadata["sep"] for f in fields(cls) if "sep" in f.metadata})
     valid = sorted(types) + ["preset", "config"]
     pairs = split_argv(argv, {k for k, t in types.items() if t is bool})
 
@@ -277,14 +283,19 @@ def build(classes: Sequence[type], argv: Sequence[str], default_preset: str | No
             for fk, fv in read_config_file(v).items():
                 if fk not in types:
                     raise _unknown_key(fk, valid)
-                values[fk] = parse_value(fk, fv, types[fk])
+                values[fk] = parse_value(fk, fv, types[fk], seps.get(fk))
                 explicit.add(fk)
+    seen: set[str] = set()
     for k, v in pairs:
         if k in ("preset", "config"):
             continue
         if k not in types:
             raise _unknown_key(k, valid)
-        values[k] = parse_value(k, v, types[k])
+        value = parse_value(k, v, types[k], seps.get(k))
+        if typing.get_origin(types[k]) is list and k in seen:
+            value = values[k] + value  # a repeated list flag accumulates: --stop A --stop B
+        values[k] = value
+        seen.add(k)
         explicit.add(k)
     instances = [cls(**{k: v for k, v in values.items() if k in _field_types(cls)})
                  for cls in classes]

@@ -89,7 +89,7 @@ def test_sample_settings_validated(argv, field):
 
 
 def test_list_fields():
-    (s,), _ = build([SampleConfig], ["--stop=\n\n", "--stop", "END"])
-    assert s.stop == ["END"] or s.stop == ["\n\n"]  # last wins for a repeated key
+    (s,), _ = build([SampleConfig], ["--stop=\n\n", "--stop", "END", "--stop=a,b"])
+    assert s.stop == ["\n\n", "END", "a,b"]  # a repeated list flag accumulates
     _, t, _ = parse(["--input=a.txt,b/"])
     assert t.input == ["a.txt", "b/"]
