@@ -21,9 +21,11 @@ Choices, and why:
   piece, so the tokens equal encoding each file in one call (tested). Only a 256 KiB stretch
   without any ASCII word boundary (e.g. unspaced CJK) is cut at a character boundary instead,
   which may change a token or two at that cut. Char tokenizers are exact anywhere.
-- Parallelism: pieces are tokenized by a thread pool (tiktoken and numpy release the GIL);
-  `bench/data.py` measured this faster than a spawn process pool, which must pickle every
-  result back to the parent.
+- Parallelism: for corpora over 16 MiB, pieces are tokenized by a spawn process pool (spawn,
+  not fork: the caller may have JAX threads running). On the 2-core benchmark machine, idle,
+  this gave 46 MB/s for gpt2 against 27 MB/s inline and only 13 MB/s for a thread pool: tiktoken
+  releases the GIL, yet threads lost to the reader thread contending for it (BENCHMARKS.md).
+  Small corpora are tokenized inline, where starting workers would cost more than it saves.
 - Atomicity: everything is written into a hidden staging dir inside out_dir and renamed into
   place at the end, meta.json last; an interrupted or failed prepare leaves no meta.json for
   the new data (the previous data dir, if any, stays intact until the final renames).

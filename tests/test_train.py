@@ -165,3 +165,34 @@ def test_sigterm_saves_and_exits_zero_then_resume(tmp_path, char_data):
     assert "received SIGTERM" in err
     steps = [int(d.name) for d in (out / "checkpoints").iterdir() if d.name.isdigit()]
     assert len(steps) == 1 and steps[0] >= 3
+
+
+def test_init_from_checkpoint_dir_and_hf_gpt2(tmp_path, char_data, monkeypatch):
+    """--init_from=<train dir>, --init_from=<HF dir> and --init_from=gpt2 ($GPT2_DIR) start from those weights."""
+    from gpt.checkpoint import load_model
+    from gpt.convert import checkpoint_to_hf
+    src = tmp_path / "src"
+    run(src, char_data, "--max_iters=6", "--eval_interval=6")
+    hf = tmp_path / "hf"
+    checkpoint_to_hf(src, hf)
+    base, _, _ = load_model(src, "float32")
+    V = base.cfg.vocab_size
+    x = jnp.arange(16)[None] % V
+    want = base(x)[0]
+    for how in (str(src), str(hf), "gpt2"):
+        monkeypatch.setenv("GPT2_DIR", str(hf))
+        m, t, explicit = configs(tmp_path / f"o{len(how)}", char_data, f"--init_from={how}",
+                                 "--max_iters=1", "--learning_rate=1e-9", "--min_lr=0", "--warmup_iters=0")
+        setup = T.prepare_setup(m, t, explicit)
+        got = nnx.merge(nnx.split(GPT(setup.model_cfg, rngs=nnx.Rngs(0)))[0], setup.init_params)(x)[0]
+        assert float(jnp.abs(got[..., :V] - want[..., :V]).max()) < 1e-5, how
+        summary = T.train(setup)
+        assert summary["start_step"] == 0 and summary["step"] == 1
+    with pytest.raises(UserError, match=r"n_embd \(32 in the checkpoint, 64 requested\)"):
+        m, t, explicit = configs(tmp_path / "bad", char_data, f"--init_from={src}", "--n_embd=64")
+        T.prepare_setup(m, t, explicit)
+    monkeypatch.setenv("GPT2_DIR", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "nohf"))
+    with pytest.raises(UserError, match="GPT-2 weights not found locally"):
+        m, t, explicit = configs(tmp_path / "bad2", char_data, "--init_from=gpt2")
+        T.prepare_setup(m, t, explicit)
