@@ -56,3 +56,33 @@ def test_sample_cli_streams_and_stops(tmp_path, char_data):
                            capture_output=True, text=True, timeout=300)
         lines = [l for l in r.stderr.splitlines() if l.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_bpe_tokenizer_travels_from_input_to_sampling(tmp_path):
+    """train.py --input --tokenizer=bpe:N prepares (cached) and trains; sample.py needs no flags."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = (REPO / "data" / "shakespeare.txt").read_text()[:60_000]
+    (corpus / "a.txt").write_text(text[:30_000])
+    (corpus / "b.txt").write_text(text[30_000:])
+    env = {"GPT_DATA_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    import os
+    env = {**os.environ, **env}
+    args = [sys.executable, "train.py", "--preset=tiny", f"--input={corpus}", "--tokenizer=bpe:300",
+            "--max_iters=4", "--eval_interval=4", "--no_progress"]
+    r = subprocess.run([*args, f"--out_dir={tmp_path / 'o'}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    prepared = list((tmp_path / "cache").iterdir())
+    assert len(prepared) == 1
+    meta = json.loads((prepared[0] / "meta.json").read_text())
+    assert meta["tokenizer"]["kind"] == "bpe" and meta["vocab_size"] == 301  # 300 + <|endoftext|>
+    stamp = (prepared[0] / "train.bin").stat().st_mtime_ns
+    r2 = subprocess.run([*args, f"--out_dir={tmp_path / 'o2'}"], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, env=env)
+    assert r2.returncode == 0 and (prepared[0] / "train.bin").stat().st_mtime_ns == stamp  # cached
+    assert (tmp_path / "o" / "tokenizer.tiktoken").exists()
+    s = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'o'}", "--prompt=KING",
+                        "--max_new_tokens=20"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert s.returncode == 0, s.stderr
+    assert s.stdout.startswith("KING") and len(s.stdout) > len("KING")  # may stop early at eot
