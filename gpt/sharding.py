@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 from typing import Any
 
 import jax
@@ -62,10 +63,13 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
     return sizes
 
 
-def make_mesh(spec: str = "") -> Mesh:
-    sizes = parse_mesh(spec, jax.device_count())
+def make_mesh(spec: str = "", devices: Any = None) -> Mesh:
+    """The (data, fsdp, tensor) mesh over all devices of the job, or over `devices` (e.g. a subset,
+    for tests and tools that want a smaller mesh than the machine has)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = parse_mesh(spec, len(devices))
     return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES,
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
 
 
 def check_divisibility(cfg: ModelConfig, mesh: Mesh, global_batch: int) -> None:
@@ -126,6 +130,31 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, P(*lead, BATCH_AXES, None))
 
 
+def batch_process_layout(mesh: Mesh) -> tuple[int, int]:
+    """(index, count) of this process's block of batch rows, for `data.Batches`.
+
+    Rows are sharded over data x fsdp; a process needs the rows of its own devices. Usually that is
+    block `process_index` of `process_count`, but when a mesh puts whole data-parallel groups on
+    several hosts (e.g. tensor parallelism across hosts) processes share blocks, so the block index
+    and count come from the mesh, not from the process numbers.
+    """
+    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    index_map = batch_sharding(mesh, 2).devices_indices_map((dp, 1))
+    rows: dict[int, set[int]] = {}
+    for device, idx in index_map.items():
+        r = idx[0]
+        rows.setdefault(device.process_index, set()).update(range(*r.indices(dp)))
+    blocks = sorted({(min(v), max(v) + 1) for v in rows.values()})
+    size = blocks[0][1] - blocks[0][0]
+    if any(hi - lo != size for lo, hi in blocks) or \
+            [lo for lo, _ in blocks] != list(range(0, dp, size)) or \
+            any(len(v) != size for v in rows.values()):
+        raise UserError(f"the mesh {dict(mesh.shape)} gives processes overlapping or scattered batch "
+                        f"rows; order the axes so that each host holds whole data-parallel groups")
+    mine = min(rows[jax.process_index()])
+    return mine // size, len(blocks)
+
+
 def global_batch(local: np.ndarray, sharding: NamedSharding, global_shape: tuple[int, ...]) -> jax.Array:
     """Assemble a global array from this process's rows (the whole batch on a single process)."""
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
@@ -143,8 +172,20 @@ def state_bytes(tree: Any) -> tuple[int, int]:
 
 
 def init_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1,
-                     timeout_s: int = 120) -> None:
-    """`jax.distributed.initialize`, auto-detected on TPU/SLURM or explicit; a clear error on failure."""
+                     timeout_s: int | None = None) -> None:
+    """`jax.distributed.initialize`, auto-detected on TPU/SLURM or explicit; a clear error on failure.
+
+    Waits at most `timeout_s` (default: $GPT_DISTRIBUTED_TIMEOUT, else 300 s) for every process to
+    join; a process that cannot reach the coordinator stops with a one-line error.
+    """
+    if timeout_s is None:
+        raw = os.environ.get("GPT_DISTRIBUTED_TIMEOUT", "300")
+        try:
+            timeout_s = int(raw)
+        except ValueError:
+            raise UserError(f"GPT_DISTRIBUTED_TIMEOUT={raw!r} must be a whole number of seconds") from None
+        if timeout_s < 1:
+            raise UserError(f"GPT_DISTRIBUTED_TIMEOUT={raw!r} must be at least 1 second")
     kwargs: dict[str, Any] = {}
     if coordinator_address:
         if num_processes < 1 or process_id < 0:
@@ -153,14 +194,45 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
             raise UserError(f"--process_id={process_id} must be in [0, {num_processes})")
         kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                       process_id=process_id)
+    elif num_processes or process_id >= 0:
+        raise UserError("--num_processes/--process_id need --coordinator_address=HOST:PORT "
+                        "(or leave all three out on TPU pods and SLURM, where they are detected)")
+    # An unreachable coordinator (or a process that never starts) makes jax's client abort the whole
+    # process with a C++ fatal log once its own deadline passes; a watchdog fires first and exits
+    # with the usual one-line error instead.
+    where = coordinator_address or "the auto-detected coordinator"
+    n = f"all {num_processes}" if num_processes else "all the"
+
+    def give_up() -> None:
+        msg = (f"could not join the distributed job at {where} within {timeout_s}s: not every process "
+               f"connected; check --coordinator_address (reachable from this host, port open), that "
+               f"{n} processes were started, and --num_processes/--process_id (wait longer with "
+               f"GPT_DISTRIBUTED_TIMEOUT=SECONDS)")
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        os._exit(2)  # from a thread, while the main thread is blocked inside jax
+
+    watchdog = threading.Timer(timeout_s, give_up)
+    watchdog.daemon = True
+    watchdog.start()
     try:
-        jax.distributed.initialize(initialization_timeout=timeout_s, **kwargs)
+        jax.distributed.initialize(initialization_timeout=timeout_s + 60, **kwargs)
+    except ValueError as e:
+        if not coordinator_address and "coordinator_address" in str(e):
+            raise UserError("--distributed found no TPU pod, SLURM or MPI job to join; pass "
+                            "--coordinator_address=HOST:PORT --num_processes=N --process_id=I") from None
+        raise _join_error(e, coordinator_address, timeout_s) from None
     except Exception as e:  # noqa: BLE001 - jax raises several types for an unreachable coordinator
-        where = coordinator_address or os.environ.get("SLURM_JOB_ID", "auto-detected coordinator")
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"could not join the distributed job at {where} within {timeout_s}s "
-                        f"({first[:200]}); check --coordinator_address and that every process "
-                        f"was started") from None
+        raise _join_error(e, coordinator_address, timeout_s) from None
+    finally:
+        watchdog.cancel()
+
+
+def _join_error(e: Exception, coordinator_address: str, timeout_s: int) -> UserError:
+    where = coordinator_address or "the auto-detected coordinator"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UserError(f"could not join the distributed job at {where} within {timeout_s}s "
+                     f"({first[:200]}); check --coordinator_address and that every process "
+                     f"was started")
 
 
 def is_main_process() -> bool:
