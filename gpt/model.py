@@ -14,6 +14,7 @@ Two choices shape this file:
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -56,8 +57,109 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, start_B: jax.Array | 
 
 
 def dense(x: jax.Array, w: jax.Array, spec: str, dtype) -> jax.Array:
-    """Matmul in the compute dtype with float32 accumulation and a float32 result."""
+    """Matmul in the compute dtype with float32 accumulation and a float32 result.
+
+    Below float32 (bfloat16) it runs through `_dense_lowp`, whose custom VJP keeps the backward
+    matmuls in the compute dtype (plain autodiff would run them in float32, the cotangent's dtype)
+    and, on CPU, in the layouts the fast bf16 kernels take (see there); float32 keeps the plain
+    einsum and its autodiff.
+    """
+    if jnp.dtype(dtype) != jnp.float32 and _dense_plan(spec) is not None:
+        return _dense_lowp(x, w, spec, jnp.dtype(dtype))
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def dense_einsum(x: jax.Array, w: jax.Array, spec: str, dtype) -> jax.Array:
+    """The reference: a plain einsum differentiated by JAX (what `dense` must agree with)."""
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+
+
+class _Plan(NamedTuple):
+    x_free: str  # x's axes that stay (B, T): flattened to M
+    contract: str  # contracted axes in x's order: flattened to K
+    w_free: str  # w's axes that stay: flattened to N
+    w_perm: tuple[int, ...]  # w's axes -> (contract, w_free): w as a [K, N] matrix
+
+
+def _dense_plan(spec: str) -> _Plan | None:
+    """A dense spec "x,w->x_free w_free" with x's contracted axes trailing, or None."""
+    try:
+        ins, out = spec.replace(" ", "").split("->")
+        xs, ws = ins.split(",")
+    except ValueError:
+        return None
+    contract = "".join(c for c in xs if c in ws)
+    x_free = "".join(c for c in xs if c not in ws)
+    w_free = "".join(c for c in ws if c not in xs)
+    if (len(set(xs + ws)) != len(xs) + len(ws) - len(contract) or not contract
+            or xs != x_free + contract or out != x_free + w_free
+            or any(c in contract for c in out)):
+        return None
+    return _Plan(x_free, contract, w_free, tuple(ws.index(c) for c in contract + w_free))
+
+
+def _physical_transpose(a_MK: jax.Array) -> jax.Array:
+    """a.T materialised in row-major order.
+
+    XLA would otherwise fold a transpose into the dot's dimension numbers (or into a layout change),
+    which puts the contracted axis first: the slow path of the CPU's bf16 matmul. Going through a
+    1-D array (which has only one layout) behind an optimisation barrier forces the copy.
+    """
+    M, K = a_MK.shape
+    return jax.lax.optimization_barrier(a_MK.T.reshape(K * M)).reshape(K, M)
+
+
+def _mm(a, b, spec):
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense_lowp(x, w, spec, dtype):
+    return _dense_lowp_fwd(x, w, spec, dtype)[0]
+
+
+def _dense_lowp_fwd(x, w, spec, dtype):
+    p = _dense_plan(spec)
+    n_free = len(p.x_free)
+    x_MK = x.astype(dtype).reshape(math.prod(x.shape[:n_free]), -1)
+    w_t = jnp.transpose(w.astype(dtype), p.w_perm)  # weight-sized; the identity for most specs
+    w_KN = w_t.reshape(x_MK.shape[1], -1)
+    y = _mm(x_MK, w_KN, "mk,kn->mn").reshape(*x.shape[:n_free], *w_t.shape[len(p.contract):])
+    # Zero-size arrays carry the primal shapes and dtypes to the backward pass for free.
+    shapes = (jnp.zeros((*x.shape, 0), x.dtype), jnp.zeros((*w_t.shape, 0), w.dtype))
+    return y, (x_MK, w_KN, shapes)
+
+
+def _dense_lowp_bwd(spec, dtype, res, g):
+    """dx = g @ w.T and dw = x.T @ g, both as `a @ b` / `a @ b.T` products in the compute dtype.
+
+    The cotangent is rounded to the compute dtype (as it would be for a bf16 result). The weight
+    gradient contracts over the M = B*T rows of both operands, the layout the fast kernels lack; it
+    is computed from a physically transposed copy of the narrower of x and g (an [M, min(K, N)]
+    copy, cheap next to the 2*M*K*N FLOP product), and a weight-sized result is transposed back.
+    """
+    p = _dense_plan(spec)
+    x_MK, w_KN, (x_shape, w_shape) = res
+    M, K = x_MK.shape
+    N = w_KN.shape[1]
+    g_MN = g.reshape(M, N).astype(dtype)
+    dx_MK = _mm(g_MN, w_KN, "mn,kn->mk")
+    # The barriers keep XLA from folding the transposes that follow into the dot by swapping its
+    # operands, which would bring back the slow layout (and XLA:CPU's fallback dot has no
+    # bf16 x bf16 -> f32 kernel: it fails at run time).
+    if jax.default_backend() != "cpu":  # GPU/TPU matmuls take any layout: no copies, no barriers
+        dw_KN = _mm(x_MK, g_MN, "mk,mn->kn")
+    elif K <= N:
+        dw_KN = jax.lax.optimization_barrier(_mm(_physical_transpose(x_MK), g_MN, "km,mn->kn"))
+    else:
+        dw_KN = jax.lax.optimization_barrier(_mm(_physical_transpose(g_MN), x_MK, "nm,mk->nk")).T
+    inv = tuple(p.w_perm.index(i) for i in range(len(p.w_perm)))
+    dw = jnp.transpose(dw_KN.reshape(w_shape.shape[:-1]), inv).astype(w_shape.dtype)
+    dx = dx_MK.reshape(x_shape.shape[:-1]).astype(x_shape.dtype)
+    return dx, dw
+
+
+_dense_lowp.defvjp(_dense_lowp_fwd, _dense_lowp_bwd)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5) -> jax.Array:

@@ -12,6 +12,7 @@ the cache cannot be reused then; those steps recompute the window (a `lax.cond` 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -205,6 +206,12 @@ class Sampler:
         return out
 
 
+@partial(jax.jit, static_argnums=0)
+def _last_logits(graphdef, params, ctx_BT, last):
+    logits, _ = nnx.merge(graphdef, params)(ctx_BT)
+    return logits[:, last]
+
+
 def full_recompute_generate(model: GPT, prompt: list[int], key: jax.Array, s: SamplingSettings
                             ) -> list[int]:
     """The no-cache baseline (nanoGPT's loop): re-run the whole (cropped) context for every token.
@@ -213,12 +220,6 @@ def full_recompute_generate(model: GPT, prompt: list[int], key: jax.Array, s: Sa
     """
     W = model.cfg.block_size
     gd, params = nnx.split(model)
-
-    @jax.jit
-    def next_logits(params, ctx_BT, last):
-        logits, _ = nnx.merge(gd, params)(ctx_BT)
-        return logits[:, last]
-
     ids = list(prompt)
     for _ in range(s.max_new_tokens):
         ctx = ids[-W:]
@@ -227,7 +228,7 @@ def full_recompute_generate(model: GPT, prompt: list[int], key: jax.Array, s: Sa
         padded = min(-(-len(ctx) // 32) * 32, W)
         ctx_BT = jnp.array([ctx + [0] * (padded - len(ctx))], jnp.int32)
         key, sub = jax.random.split(key)
-        tok = int(sample_token(sub, next_logits(params, ctx_BT, len(ctx) - 1), s)[0])
+        tok = int(sample_token(sub, _last_logits(gd, params, ctx_BT, len(ctx) - 1), s)[0])
         ids.append(tok)
         if s.eot_id is not None and tok == s.eot_id:
             break
