@@ -12,7 +12,7 @@ the cache cannot be reused then; those steps recompute the window (a `lax.cond` 
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -206,10 +206,20 @@ class Sampler:
         return out
 
 
-@partial(jax.jit, static_argnums=0)
-def _last_logits(graphdef, params, ctx_BT, last):
-    logits, _ = nnx.merge(graphdef, params)(ctx_BT)
-    return logits[:, last]
+_RECOMPUTE_FNS: "weakref.WeakKeyDictionary[GPT, Any]" = weakref.WeakKeyDictionary()
+
+
+def _last_logits_fn(model: GPT):
+    """One jitted full forward per model, so repeated baseline runs do not recompile."""
+    if model not in _RECOMPUTE_FNS:
+        gd = nnx.graphdef(model)
+
+        @jax.jit
+        def last_logits(params, ctx_BT, last):
+            logits, _ = nnx.merge(gd, params)(ctx_BT)
+            return logits[:, last]
+        _RECOMPUTE_FNS[model] = last_logits
+    return _RECOMPUTE_FNS[model]
 
 
 def full_recompute_generate(model: GPT, prompt: list[int], key: jax.Array, s: SamplingSettings
@@ -219,7 +229,8 @@ def full_recompute_generate(model: GPT, prompt: list[int], key: jax.Array, s: Sa
     Used by tests as the reference and by bench/sample.py as the baseline.
     """
     W = model.cfg.block_size
-    gd, params = nnx.split(model)
+    params = nnx.state(model)
+    last_logits = _last_logits_fn(model)
     ids = list(prompt)
     for _ in range(s.max_new_tokens):
         ctx = ids[-W:]
@@ -228,7 +239,7 @@ def full_recompute_generate(model: GPT, prompt: list[int], key: jax.Array, s: Sa
         padded = min(-(-len(ctx) // 32) * 32, W)
         ctx_BT = jnp.array([ctx + [0] * (padded - len(ctx))], jnp.int32)
         key, sub = jax.random.split(key)
-        tok = int(sample_token(sub, _last_logits(gd, params, ctx_BT, len(ctx) - 1), s)[0])
+        tok = int(sample_token(sub, last_logits(params, ctx_BT, len(ctx) - 1), s)[0])
         ids.append(tok)
         if s.eot_id is not None and tok == s.eot_id:
             break
