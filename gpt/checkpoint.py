@@ -3,11 +3,19 @@
 Layout: `OUT/checkpoints/<step>/{params,opt_state,meta}`; `params` and `opt_state` are Orbax
 PyTrees (sharded arrays saved and restored by all processes together, onto any mesh), `meta` is
 JSON (step, config, tokenizer spec, data-loader state, PRNG key, val loss). Orbax writes each step
-into a temporary directory and renames it when complete, so a step directory that exists is
-complete; a step that still fails to restore (truncated or deleted files) is reported and skipped.
+into a temporary directory (`<step>.orbax-checkpoint-tmp...`) and renames it when complete, so a
+step directory that exists is complete; a writable manager deletes leftover temporary directories
+(from a killed save) when it starts. A step that still fails to restore (truncated or deleted files)
+is reported by number and skipped; a training run then moves it aside to `<step>.damaged`, so the
+steps it saves next never collide with it. A failed write (full disk, no permission) surfaces at
+the next save or at close as a one-line UserError naming the step; see RELIABILITY.md.
 """
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -20,6 +28,37 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 from gpt.errors import UserError
 
 FORMAT_VERSION = 1
+TMP_MARKER = ".orbax-checkpoint-tmp"  # Orbax's temporary step directories contain this
+
+# OS errors that mean "this disk cannot take the checkpoint", not a bug: reported as UserError.
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO,
+                   errno.EFBIG)
+
+
+class _DropOrbaxLogs(logging.Filter):
+    """Orbax logs every failed background save with a traceback; we report it as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        files = [record.pathname]
+        tb = record.exc_info[2] if record.exc_info else None
+        while tb is not None:
+            files.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        return not (any("orbax" in f for f in files) or str(record.msg).startswith("[process="))
+
+
+logging.getLogger("absl").addFilter(_DropOrbaxLogs())
+
+
+def storage_errno(e: BaseException) -> int | None:
+    """The errno if `e` is a storage failure (OSError, or TensorStore's ValueError wrapping one)."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None:
+        m = re.search(r"os_error_code='?(\d+)", str(e))
+        code = int(m.group(1)) if m else None
+    if code is None:
+        code = next((c for c in _STORAGE_ERRNOS if os.strerror(c) in str(e)), None)
+    return code if code in _STORAGE_ERRNOS else None
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:
@@ -46,24 +85,82 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policy, create=not read_only, read_only=read_only,
             enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only)
-        self.manager = ocp.CheckpointManager(self.dir, options=options,
-                                             item_names=("params", "opt_state", "meta"))
+        self.read_only = read_only
+        _quiet_abandoned_reads()  # a failed save or restore leaves Orbax reads/writes that complain
+        self._pending: int | None = None  # the step whose asynchronous save may still be running
+        try:
+            self.manager = ocp.CheckpointManager(self.dir, options=options,
+                                                 item_names=("params", "opt_state", "meta"))
+        except Exception as e:  # noqa: BLE001
+            if storage_errno(e) is None:
+                raise
+            raise UserError(f"cannot use checkpoint directory {self.dir}: "
+                            f"{os.strerror(storage_errno(e))}") from None
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any],
              val_loss: float | None) -> None:
-        """Start an asynchronous save (the previous one is finished first)."""
+        """Start an asynchronous save (the previous one is finished first, and its error raised)."""
+        self._finish()
         metrics = {"val_loss": float(val_loss)} if val_loss is not None else {"val_loss": 1e30}
         args = ocp.args.Composite(params=ocp.args.StandardSave(params),
                                   opt_state=ocp.args.StandardSave(opt_state),
                                   meta=ocp.args.JsonSave(meta))
-        self.manager.save(step, args=args, metrics=metrics, force=True)
+        self._pending = step
+        try:
+            self.manager.save(step, args=args, metrics=metrics, force=True)
+        except Exception as e:  # noqa: BLE001
+            self._raise_write_error(e)
+
+    def _finish(self) -> None:
+        """Wait for the save in flight; a failed write becomes a UserError naming its step."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._raise_write_error(e)
+        self._pending = None
+
+    def _raise_write_error(self, e: BaseException) -> None:
+        step, self._pending = self._pending, None
+        code = storage_errno(e)
+        if code is None:
+            raise e  # not a storage problem: a bug, keep the traceback
+        if step is not None and jax.process_index() == 0:  # free what the failed write took
+            for tmp in self.dir.glob(f"{step}{TMP_MARKER}*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        kept = [s for s in list_steps(self.dir.parent) if s != step]
+        hint = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space within your quota"
+                }.get(code, "make it writable")
+        raise UserError(f"could not write checkpoint step {step} in {self.dir}: {os.strerror(code)}; "
+                        f"{hint} (or choose another --out_dir) and continue with --init_from=resume; "
+                        f"the previous checkpoints are intact (steps {kept})") from None
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        self._finish()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self._finish()
+        finally:
+            self.manager.close()
+
+    def _move_aside(self, steps: list[int]) -> None:
+        """Rename damaged step dirs to `<step>.damaged` so new saves and retention ignore them."""
+        if self.read_only or not steps:
+            return
+        if jax.process_index() == 0:
+            for s in steps:
+                src, dst = self.dir / str(s), self.dir / f"{s}.damaged"
+                n = 1
+                while dst.exists():
+                    dst, n = self.dir / f"{s}.damaged.{n}", n + 1
+                try:
+                    src.rename(dst)
+                except OSError:
+                    pass
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("gpt_checkpoint_moved_damaged_steps")
+        self.manager.reload()
 
     def restore(self, abstract_params: Any, abstract_opt_state: Any | None = None,
                 step: int | None = None) -> tuple[int, Any, Any, dict[str, Any]]:
@@ -74,6 +171,8 @@ class Checkpointer:
         steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
         if not steps:
             raise UserError(f"no checkpoint in {self.dir.parent}")
+        damaged: list[tuple[int, str]] = []  # (step, why); reported once we know the outcome
+        _quiet_abandoned_reads()
         for s in steps:
             items = dict(params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore())
             if abstract_opt_state is not None:
@@ -82,19 +181,64 @@ class Checkpointer:
                 out = self.manager.restore(s, args=ocp.args.Composite(**items))
                 meta = dict(out["meta"])
                 if meta.get("step") != s:
-                    raise ValueError(f"meta.json says step {meta.get('step')}")
-                return s, out["params"], out.get("opt_state") if abstract_opt_state else None, meta
+                    raise ValueError(f"its meta says step {meta.get('step')}")
             except UserError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure here means a damaged checkpoint
-                reason = " ".join(str(e).split())[:160] or type(e).__name__
-                others = [t for t in steps if t < s]
-                then = f"falling back to step {others[0]}" if others else "no older checkpoint left"
-                if jax.process_index() == 0:
-                    print(f"warning: checkpoint step {s} is damaged ({reason}); {then}",
+                damaged.append((s, _root_cause(e)))
+            if damaged and damaged[-1][0] == s:
+                _collect_quietly()
+                continue
+            if jax.process_index() == 0:
+                for d, why in damaged:
+                    print(f"warning: checkpoint step {d} is damaged ({why}); falling back to step {s}",
                           file=sys.stderr, flush=True)
-        raise UserError(f"every checkpoint in {self.dir} is damaged (steps {sorted(steps)}); "
-                        f"restart with --init_from=scratch --overwrite")
+            self._move_aside([d for d, _ in damaged])
+            return s, out["params"], out.get("opt_state") if abstract_opt_state else None, meta
+        raise UserError(damaged_message(self.dir.parent, steps, damaged[0][1]))
+
+
+def _quiet_abandoned_reads() -> None:
+    """A failed Orbax restore leaves reads in flight; when they finish or are garbage-collected
+    (even at exit) Python prints their errors ("Exception ignored in: <coroutine ...>", "Event loop
+    is closed") with tracebacks. restore() reports the damaged step in one line instead, so such
+    reports from Orbax's reads are dropped; any other is still printed."""
+    if getattr(sys.unraisablehook, "__name__", "") == "_drop_orbax_unraisable":
+        return
+    previous = sys.unraisablehook
+
+    def _drop_orbax_unraisable(u) -> None:
+        code = getattr(u.object, "cr_code", None)
+        files = [code.co_filename] if code is not None else []
+        tb = u.exc_traceback
+        while tb is not None:
+            files.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        closed_loop = isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value)
+        if not (closed_loop or any("orbax" in f for f in files)):
+            previous(u)
+    sys.unraisablehook = _drop_orbax_unraisable
+
+
+def _collect_quietly() -> None:
+    import gc
+    _quiet_abandoned_reads()
+    gc.collect()
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost error's message (TensorStore's names the file and what is wrong), one line."""
+    seen = set()
+    while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+def damaged_message(out_dir: str | Path, steps: list[int], why: str = "") -> str:
+    why = f"; newest: {why}" if why else ""
+    return (f"every checkpoint in {checkpoint_dir(out_dir)} is damaged (steps {sorted(steps)}{why}); "
+            f"nothing to resume or sample from: train again with --init_from=scratch --overwrite")
 
 
 def read_meta(out_dir: str | Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
@@ -104,10 +248,12 @@ def read_meta(out_dir: str | Path, step: int | None = None) -> tuple[int, dict[s
     for s in sorted(steps, reverse=True):
         path = checkpoint_dir(out_dir) / str(s) / "meta" / "metadata"
         try:
-            return s, json.loads(path.read_text())
+            meta = json.loads(path.read_text())
         except (OSError, ValueError):
-            continue
-    raise UserError(describe_missing(out_dir))
+            continue  # damaged: restore() reports it by step when it falls back past it
+        if isinstance(meta, dict) and meta.get("step") == s and isinstance(meta.get("config"), dict):
+            return s, meta
+    raise UserError(damaged_message(out_dir, steps) if steps else describe_missing(out_dir))
 
 
 def describe_missing(out_dir: str | Path) -> str:

@@ -5,6 +5,7 @@ Python traceback, while a genuine bug (any other exception) still does.
 """
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Callable, Sequence
 
@@ -41,4 +42,9 @@ def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | 
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:  # a full disk is the user's to fix, wherever it strikes; other OS errors are bugs
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" while writing {e.filename}" if e.filename else ""
+        fail(f"{e.strerror}{where}; free space on that disk or choose another output directory")
     sys.exit(code or 0)

@@ -89,6 +89,15 @@ class Throughput:
         }
 
 
+def _parse_line(line: str) -> dict[str, Any] | None:
+    """One metrics.jsonl record, or None for a blank line or one torn by a crash mid-write."""
+    try:
+        r = json.loads(line) if line.strip() else None
+    except ValueError:
+        return None
+    return r if isinstance(r, dict) else None
+
+
 class MetricsLog:
     """metrics.jsonl (one object per line), TensorBoard events and loss.png, on process 0 only."""
 
@@ -102,8 +111,9 @@ class MetricsLog:
             return
         if resume_step is not None and self.path.exists():
             # Drop lines from after the checkpoint we resume from: they will be recomputed exactly.
+            # (A line torn by a crash mid-write is dropped too.)
             kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+                    if (r := _parse_line(ln)) is not None and r.get("step", 0) <= resume_step]
             _atomic_write(self.path, "".join(ln + "\n" for ln in kept))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
@@ -128,7 +138,7 @@ class MetricsLog:
     def records(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
-        return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+        return [r for ln in self.path.read_text().splitlines() if (r := _parse_line(ln)) is not None]
 
     def plot(self) -> None:
         """Redraw loss.png from metrics.jsonl (train loss per log step, train/val loss per eval)."""

@@ -371,7 +371,8 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
                 x, y = device_batch(train_batches)  # prefetch while the step runs
             at_log = step % t.log_interval == 0 or step == t.max_iters
             at_eval = step % t.eval_interval == 0 or step == t.max_iters
-            at_ckpt = step % ckpt_interval == 0 or step == t.max_iters or stop.signal is not None
+            stopping = stop.signal is not None  # read once: a signal arriving later stops a step later
+            at_ckpt = step % ckpt_interval == 0 or step == t.max_iters or stopping
             if at_log or at_eval or at_ckpt:
                 host = metrics_lib.to_host(last_metrics)  # the only device->host sync
                 if not math.isfinite(host["loss"]):
@@ -413,7 +414,7 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
                     save(step, val_loss)
             if progress is not None:
                 progress.update(1)
-            if stop.signal is not None:
+            if stopping:
                 log(f"\nreceived {signal.Signals(stop.signal).name}: saved step {step}; continue "
                     f"with --init_from=resume")
                 break

@@ -1,0 +1,228 @@
+"""A bad-input matrix for every command: exit status 2, one stderr line naming the problem, no
+traceback, and nothing changed in the output directory.
+
+Each case is a real subprocess (`train.py`, `sample.py`, `python -m gpt.data|convert|evaluate`).
+Most fail during argument validation, before JAX is imported, so they are cheap; the rest load
+a checkpoint. They run two at a time. The whole matrix is marked slow; a subset covering every
+command runs in CI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from gpt import checkpoint as ckpt
+
+PY = sys.executable
+
+
+@dataclass
+class Case:
+    name: str
+    cmd: list[str]
+    needle: str  # must appear in the error line
+    watch: Path  # the output directory that must not change
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]] | None:
+    """Every path under root, with size and mtime for files (None if root does not exist).
+
+    A folder's own mtime is left out: `gpt.data` makes and removes a staging dir inside out_dir
+    before it reads the inputs, which changes no file."""
+    if not root.exists():
+        return None
+    snap = {}
+    for p in root.rglob("*"):
+        st = p.lstat()
+        snap[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns) if p.is_file() else (0, 0)
+    return snap
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory, char_data):
+    """The workspace: a prepared corpus, a trained checkpoint, a damaged one, and bad files."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    from test_reliability import damage, run_inproc
+    good = root / "good"
+    run_inproc(good, char_data, "--max_iters=4", "--ckpt_interval=2", "--eval_interval=4")
+    bad = root / "damaged"
+    shutil.copytree(good, bad)
+    for s in ckpt.list_steps(bad):
+        damage(bad, s, "truncate_array")
+    shutil.copytree(char_data, root / "old_data")  # a failed prepare must leave it intact
+    (root / "empty").mkdir()
+    (root / "empty.txt").write_text("")
+    (root / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (root / "binary.txt").write_bytes(b"GIF89a\x00\x01\x02" * 100)
+    (root / "short.txt").write_text("To be.\n")  # far fewer tokens than block_size + 1
+    (root / "a_file").write_text("x")
+    (root / "hf_noconfig").mkdir()
+    (root / "hf_llama").mkdir()
+    (root / "hf_llama" / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                               "architectures": ["LlamaForCausalLM"]}))
+    (root / "hf_bin").mkdir()
+    (root / "hf_bin" / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 50257, "n_positions": 1024,
+        "n_embd": 768, "n_layer": 12, "n_head": 12, "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5}))
+    (root / "hf_bin" / "pytorch_model.bin").write_bytes(b"\x80\x02pickle")
+    (root / "text.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    return dict(root=root, data=char_data, good=good, bad=bad, old_data=root / "old_data")
+
+
+def cases(w) -> list[Case]:
+    root, data, good, bad = w["root"], w["data"], w["good"], w["bad"]
+    new = root / "new_out"  # never created by a failing run
+    T = [PY, "train.py", "--preset=tiny", f"--data_dir={data}", "--no_progress"]
+    S = [PY, "sample.py", f"--out_dir={good}", "--max_new_tokens=4"]
+    D = [PY, "-m", "gpt.data"]
+    C = [PY, "-m", "gpt.convert"]
+    E = [PY, "-m", "gpt.evaluate"]
+    two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    return [
+        # train.py: flags
+        Case("train unknown flag", T + [f"--out_dir={new}", "--n_layr=2"], "did you mean --n_layer", new),
+        Case("train ill-typed int", T + [f"--out_dir={new}", "--batch_size=x"], "--batch_size", new),
+        Case("train ill-typed float", T + [f"--out_dir={new}", "--dropout=lots"], "--dropout", new),
+        Case("train ill-typed bool", T + [f"--out_dir={new}", "--bias=maybe"], "--bias", new),
+        Case("train fractional int", T + [f"--out_dir={new}", "--max_iters=2.5"], "--max_iters", new),
+        Case("train zero layers", T + [f"--out_dir={new}", "--n_layer=0"], "--n_layer=0", new),
+        Case("train negative block", T + [f"--out_dir={new}", "--block_size=-4"], "--block_size=-4", new),
+        Case("train zero batch", T + [f"--out_dir={new}", "--batch_size=0"], "--batch_size=0", new),
+        Case("train zero lr", T + [f"--out_dir={new}", "--learning_rate=0"], "--learning_rate=0", new),
+        Case("train negative lr", T + [f"--out_dir={new}", "--learning_rate=-1e-3"], "--learning_rate", new),
+        Case("train nan lr", T + [f"--out_dir={new}", "--learning_rate=nan"], "--learning_rate", new),
+        Case("train heads", T + [f"--out_dir={new}", "--n_embd=30", "--n_head=4"], "divisible by --n_head",
+             new),
+        Case("train unknown preset", [PY, "train.py", "--preset=gpt5", f"--out_dir={new}"], "unknown preset",
+             new),
+        Case("train missing config", T + [f"--out_dir={new}", f"--config={root / 'nope.toml'}"],
+             "config file", new),
+        Case("train block too big", T + [f"--out_dir={new}", "--block_size=100000"], "block_size=100000", new),
+        Case("train short corpus", [PY, "train.py", "--preset=tiny", f"--out_dir={new}",
+                                    f"--input={root / 'short.txt'}", "--no_progress"], "block_size", new,
+             {"GPT_DATA_CACHE": str(root / "cache")}),
+        Case("train batch vs devices", T + [f"--out_dir={new}", "--batch_size=3"], "not divisible", new,
+             two_devices),
+        Case("train mesh size", T + [f"--out_dir={new}", "--mesh=data:3"], "--mesh=data:3", new),
+        Case("train mesh axis", T + [f"--out_dir={new}", "--mesh=model:1"], "unknown axis", new),
+        # train.py: checkpoints
+        Case("train resume nothing", T + [f"--out_dir={root / 'empty'}", "--init_from=resume"],
+             "no checkpoint found", root / "empty"),
+        Case("train resume other model", T + [f"--out_dir={good}", "--init_from=resume", "--n_layer=3"],
+             "n_layer (2 in the checkpoint, 3 requested)", good),
+        Case("train scratch over checkpoints", T + [f"--out_dir={good}"], "already holds checkpoints", good),
+        Case("train resume all damaged", T + [f"--out_dir={bad}", "--init_from=resume"],
+             "every checkpoint", bad),
+        Case("train init_from missing dir", T + [f"--out_dir={new}", f"--init_from={root / 'nowhere'}"],
+             "no checkpoint found", new),
+        # sample.py
+        Case("sample no checkpoint", [PY, "sample.py", f"--out_dir={root / 'empty'}"], "no checkpoint found",
+             root / "empty"),
+        Case("sample all damaged", [PY, "sample.py", f"--out_dir={bad}"], "every checkpoint", bad),
+        Case("sample prompt outside vocab", S + ["--prompt=日本語"], "not in the char tokenizer", good),
+        Case("sample top_p 0", S + ["--top_p=0"], "--top_p=0", good),
+        Case("sample top_p above 1", S + ["--top_p=1.5"], "--top_p=1.5", good),
+        Case("sample top_k negative", S + ["--top_k=-1"], "--top_k=-1", good),
+        Case("sample top_k above vocab", S + ["--top_k=1000"], "exceeds the vocabulary", good),
+        Case("sample negative temperature", S + ["--temperature=-0.5"], "--temperature", good),
+        Case("sample no samples", S + ["--num_samples=0"], "--num_samples=0", good),
+        Case("sample negative tokens", S + ["--max_new_tokens=-1"], "--max_new_tokens=-1", good),
+        Case("sample missing prompt file", S + [f"--prompt_file={root / 'nope.txt'}"], "--prompt_file", good),
+        Case("sample unknown flag", S + ["--temprature=1"], "did you mean --temperature", good),
+        # python -m gpt.data
+        Case("data missing path", D + ["--input", str(root / "nope.txt"), "--tokenizer=char",
+                                       f"--out_dir={new}"], "does not exist", new),
+        Case("data empty corpus", D + ["--input", str(root / "empty.txt"), "--tokenizer=char",
+                                       f"--out_dir={new}"], "empty", new),
+        Case("data not utf-8", D + ["--input", str(root / "latin1.txt"), "--tokenizer=char",
+                                    f"--out_dir={new}"], "not valid UTF-8", new),
+        Case("data bad input over old data", D + ["--input", str(root / "latin1.txt"), "--tokenizer=char",
+                                                  f"--out_dir={w['old_data']}"], "not valid UTF-8", w["old_data"]),
+        Case("data binary", D + ["--input", str(root / "binary.txt"), "--tokenizer=char", f"--out_dir={new}"],
+             "looks binary", new),
+        Case("data unwritable out", D + ["--input", str(root / "text.txt"), "--tokenizer=char",
+                                         f"--out_dir={root / 'a_file' / 'sub'}"], "out_dir", root / "a_file"),
+        Case("data unknown tokenizer", D + ["--input", str(root / "text.txt"), "--tokenizer=word",
+                                            f"--out_dir={new}"], "unknown tokenizer", new),
+        Case("data missing tokenizer", D + ["--input", str(root / "text.txt"), f"--out_dir={new}"],
+             "--tokenizer", new),
+        # python -m gpt.convert
+        Case("convert missing dir", C + ["--from_hf", str(root / "nope"), f"--out_dir={new}"],
+             "does not exist", new),
+        Case("convert no config", C + ["--from_hf", str(root / "hf_noconfig"), f"--out_dir={new}"],
+             "config.json", new),
+        Case("convert not gpt2", C + ["--from_hf", str(root / "hf_llama"), f"--out_dir={new}"], "llama", new),
+        Case("convert pickle only", C + ["--from_hf", str(root / "hf_bin"), f"--out_dir={new}"],
+             "pytorch_model.bin", new),
+        Case("convert to_hf no dir", C + ["--to_hf", f"--out_dir={good}"], "--hf_dir", good),
+        # python -m gpt.evaluate
+        Case("evaluate missing file", E + [f"--out_dir={good}", "--input", str(root / "nope.txt")],
+             "does not exist", good),
+        Case("evaluate no checkpoint", E + [f"--out_dir={root / 'empty'}", "--input", str(root / "text.txt")],
+             "no checkpoint found", root / "empty"),
+        Case("evaluate missing input flag", E + [f"--out_dir={good}"], "--input", good),
+    ]
+
+
+# A subset that covers every command and both kinds (flag checks, checkpoint/file checks); CI runs it.
+FAST = {"train unknown flag", "train negative lr", "train heads", "train block too big",
+        "train mesh axis", "train resume other model", "train scratch over checkpoints",
+        "sample all damaged", "sample prompt outside vocab", "sample top_p above 1",
+        "data not utf-8", "data empty corpus", "convert pickle only", "convert not gpt2",
+        "evaluate no checkpoint"}
+
+
+def check(case: Case) -> str | None:
+    """None if the case behaves; otherwise what went wrong."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **case.env)
+    if "XLA_FLAGS" not in case.env:
+        env.pop("XLA_FLAGS", None)
+    before = snapshot(case.watch)
+    r = subprocess.run(case.cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    after = snapshot(case.watch)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    problems = []
+    if r.returncode != 2:
+        problems.append(f"exit status {r.returncode}")
+    if len(lines) != 1 or not lines[0].startswith("error: "):
+        problems.append(f"{len(lines)} stderr lines")
+    elif case.needle not in lines[0]:
+        problems.append(f"{case.needle!r} not in the message")
+    if "Traceback" in r.stderr:
+        problems.append("a traceback")
+    if before != after:
+        changed = sorted(set((before or {}).items()) ^ set((after or {}).items()))[:4]
+        problems.append(f"{case.watch} changed: {changed}")
+    return f"{case.name}: {', '.join(problems)}\n{r.stderr[-1500:]}" if problems else None
+
+
+def run_matrix(selected: list[Case]) -> None:
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failures = [f for f in pool.map(check, selected) if f]
+    assert not failures, f"{len(failures)} of {len(selected)} cases failed:\n\n" + "\n\n".join(failures)
+
+
+def test_matrix_is_big_and_names_are_unique(w):
+    all_cases = cases(w)
+    assert len(all_cases) >= 30 and len({c.name for c in all_cases}) == len(all_cases)
+    assert FAST <= {c.name for c in all_cases}
+
+
+def test_bad_inputs_fast_subset(w):
+    run_matrix([c for c in cases(w) if c.name in FAST])
+
+
+@pytest.mark.slow
+def test_bad_inputs_full_matrix(w):
+    run_matrix(cases(w))

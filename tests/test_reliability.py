@@ -1,0 +1,422 @@
+"""Fault injection: kill -9 (also mid-save), SIGTERM/SIGINT, damaged checkpoints and a full disk.
+
+Each test states one promise of RELIABILITY.md. Training runs are real `python train.py`
+subprocesses (tiny preset, CPU) where the fault is about the process, and in-process `train()`
+calls where it is about the files. Exactness is checked against one uninterrupted reference run:
+the per-step train losses in metrics.jsonl, the final evaluation and the final parameters must be
+bit-identical.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from gpt import checkpoint as ckpt
+from gpt.errors import UserError
+
+N = 100  # steps of every subprocess run here; checkpoints every 2 steps, one evaluation at the end
+ARGS = ["--preset=tiny", "--no_progress", "--log_interval=1", f"--max_iters={N}",
+        "--ckpt_interval=2", f"--eval_interval={N}", "--dropout=0.1"]  # dropout: the RNG must resume too
+TMP = ckpt.TMP_MARKER
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+_JAX_CACHE: list[str] = []  # set by the fixture below
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    """One persistent XLA cache for every subprocess of this module: the restarts skip compiling
+    (~5 s each on a loaded 2-core machine). Every run, the reference included, executes the same
+    compiled programs, so exactness is still about what a resume restores."""
+    _JAX_CACHE[:] = [str(tmp_path_factory.mktemp("jax_cache"))]
+    yield
+    _JAX_CACHE.clear()
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # one CPU device, like the reference run
+    if _JAX_CACHE:
+        env.update(JAX_COMPILATION_CACHE_DIR=_JAX_CACHE[0], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
+
+
+def start(out: Path, data: Path, *extra: str, script: str = "train.py") -> tuple[subprocess.Popen, Path]:
+    """A training subprocess; its stderr goes to a numbered log file next to `out`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.parent.glob(f"{out.name}.*.log")))
+    log = out.parent / f"{out.name}.{n}.log"
+    cmd = [sys.executable, script, *ARGS, f"--out_dir={out}", f"--data_dir={data}", *extra]
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f, env=_env())
+    return p, log
+
+
+def finish(p: subprocess.Popen, log: Path, timeout: float = 240) -> str:
+    p.wait(timeout=timeout)
+    return log.read_text()
+
+
+def records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    recs = []
+    for ln in path.read_text().splitlines():
+        try:
+            recs.append(json.loads(ln))
+        except ValueError:
+            pass  # a line being written right now
+    return recs
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(out) if r["kind"] == "train"}
+
+
+def last_step(out: Path) -> int:
+    return max(train_losses(out), default=0)
+
+
+def final_params(out: Path) -> tuple[int, dict[str, np.ndarray]]:
+    import jax
+    from flax import nnx
+    model, meta, _ = ckpt.load_model(out, "float32")
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))
+    return meta["step"], {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+
+
+def tmp_dirs(out: Path) -> list[str]:
+    d = ckpt.checkpoint_dir(out)
+    return sorted(p.name for p in d.iterdir() if TMP in p.name) if d.is_dir() else []
+
+
+def wait_for(pred, p: subprocess.Popen, timeout: float, poll: float = 0.002) -> bool:
+    """Poll `pred` until it holds (True), or the process exits or time runs out (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        if p.poll() is not None:
+            return False
+        time.sleep(poll)
+    return False
+
+
+def assert_same_as_reference(out: Path, ref: Path) -> None:
+    got, want = train_losses(out), train_losses(ref)
+    assert sorted(got) == list(range(1, N + 1)), sorted(got)
+    assert got == want, {s: (got[s], want[s]) for s in want if got.get(s) != want[s]}
+    ev = [r for r in records(out) if r["kind"] == "eval"]
+    ev_ref = [r for r in records(ref) if r["kind"] == "eval"]
+    assert [(e["step"], e["val_loss"]) for e in ev] == [(e["step"], e["val_loss"]) for e in ev_ref]
+    s1, p1 = final_params(out)
+    s2, p2 = final_params(ref)
+    assert s1 == s2 == N
+    assert p1.keys() == p2.keys()
+    for k in p1:
+        assert np.array_equal(p1[k], p2[k]), k  # bit-identical
+
+
+class Reference:
+    """The uninterrupted run, started once in the background and awaited when first needed."""
+
+    def __init__(self, out: Path, data: Path):
+        self.out = out
+        self.p, self.log = start(out, data)
+
+    def get(self) -> Path:
+        err = finish(self.p, self.log)
+        assert self.p.returncode == 0, err
+        return self.out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, char_data) -> Reference:
+    ref = Reference(tmp_path_factory.mktemp("reference") / "o", char_data)
+    yield ref
+    if ref.p.poll() is None:
+        ref.p.kill()
+
+
+# ----------------------------------------------------------------------------- kill -9
+
+
+def _kill_loop(out: Path, data: Path, n_kills: int, seed: int) -> dict[str, int]:
+    """Start, kill -9 at a random moment, resume, ... n_kills times; then let it finish."""
+    rng = random.Random(seed)
+    stats = {"kills": 0, "mid_save": 0, "early": 0, "progress": 0, "torn_saves_left": 0}
+    resumed_from: list[int] = []
+    while stats["kills"] < n_kills:
+        before = ckpt.list_steps(out)
+        extra = ["--init_from=resume"] if before else []
+        p, log = start(out, data, *extra)
+        newest = max(before, default=0)
+        mode = ("early", "mid_save", "progress")[stats["kills"] % 3]
+        if mode == "early":  # anywhere in start-up: imports, restore, tmp clean-up, first steps
+            time.sleep(rng.uniform(0.3, 3.0))
+            hit = p.poll() is None
+        elif mode == "mid_save":  # while Orbax writes a new step's temporary directory
+            skip = rng.randint(0, 1)  # sometimes let a save complete first
+
+            def saving():
+                fresh = [t for t in tmp_dirs(out) if int(t.split(".")[0]) > newest]
+                return len(fresh) > 0 and max(int(t.split(".")[0]) for t in fresh) > newest + 2 * skip
+            hit = wait_for(saving, p, timeout=60)
+            time.sleep(rng.uniform(0, 0.02))
+        else:  # at a random step, wherever in the step the process happens to be
+            target = newest + rng.randint(1, 5)
+            hit = wait_for(lambda: last_step(out) >= target, p, timeout=60)
+            time.sleep(rng.uniform(0, 0.05))
+        if p.poll() is not None:
+            err = log.read_text()
+            pytest.fail(f"run ended before the kill ({mode}, rc {p.returncode}): {err[-2000:]}")
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        stats["kills"] += 1
+        stats[mode] += int(hit)
+        stats["torn_saves_left"] += int(bool([t for t in tmp_dirs(out) if int(t.split(".")[0]) > newest]))
+        err = log.read_text()
+        assert "damaged" not in err and "Traceback" not in err, err
+        if before and "resuming from step" in err:
+            got = int(err.split("resuming from step ")[1].split()[0])
+            assert got == newest, (got, before, err)  # the newest complete step, never a tmp dir
+            resumed_from.append(got)
+    assert resumed_from == sorted(resumed_from)  # progress never goes backwards
+    p, log = start(out, data, "--init_from=resume")
+    err = finish(p, log)
+    assert p.returncode == 0, err
+    assert "damaged" not in err, err
+    assert tmp_dirs(out) == []  # leftovers of killed saves are cleaned up, never restored
+    return stats
+
+
+def test_kill9_at_random_moments_resumes_exactly(tmp_path, char_data, reference):
+    """10 kill -9s (start-up, mid-save, mid-step); the resumed run equals the uninterrupted one."""
+    stats = _kill_loop(tmp_path / "o", char_data, n_kills=10, seed=1234)
+    print(stats)
+    assert stats["mid_save"] >= 2, stats
+    assert_same_as_reference(tmp_path / "o", reference.get())
+
+
+@pytest.mark.slow
+def test_kill9_many_times_resumes_exactly(tmp_path, char_data, reference):
+    stats = _kill_loop(tmp_path / "o", char_data, n_kills=30, seed=98765)
+    print(stats)
+    assert stats["mid_save"] >= 6 and stats["torn_saves_left"] >= 1, stats
+    assert_same_as_reference(tmp_path / "o", reference.get())
+
+
+# ----------------------------------------------------------------------------- SIGTERM / SIGINT
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_within_one_step_exits_zero_and_resumes_exactly(tmp_path, char_data, reference, sig):
+    out = tmp_path / "o"
+    p, log = start(out, char_data)
+    assert wait_for(lambda: last_step(out) >= 5, p, timeout=120), log.read_text()
+    p.send_signal(sig)
+    t0 = time.monotonic()
+    err = finish(p, log, timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 0, err
+    assert f"received {sig.name}" in err and "Traceback" not in err, err
+    steps = ckpt.list_steps(out)
+    stopped = last_step(out)
+    assert steps and steps[-1] == stopped < N, (steps, stopped)  # saved the step it was in, no more
+    assert took < 60, took
+    p, log = start(out, char_data, "--init_from=resume")
+    err = finish(p, log)
+    assert p.returncode == 0 and f"resuming from step {stopped}" in err, err
+    assert_same_as_reference(out, reference.get())
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+
+def _configs(out, data, *argv):
+    from gpt.config import ModelConfig, TrainConfig, build, validate_model, validate_train
+    (m, t), explicit = build([ModelConfig, TrainConfig],
+                             ["--preset=tiny", f"--out_dir={out}", f"--data_dir={data}",
+                              "--log_interval=1", "--no_progress", *argv])
+    return validate_model(m), validate_train(t), explicit
+
+
+def run_inproc(out, data, *argv):
+    from gpt import train as T
+    m, t, explicit = _configs(out, data, *argv)
+    return T.train(T.prepare_setup(m, t, explicit))
+
+
+SHORT = ["--max_iters=8", "--ckpt_interval=2", "--eval_interval=8", "--keep_checkpoints=3"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, char_data):
+    """An uninterrupted 8-step run (checkpoints 4, 6, 8 kept) and its per-step losses."""
+    out = tmp_path_factory.mktemp("trained") / "o"
+    summary = run_inproc(out, char_data, *SHORT)
+    assert ckpt.list_steps(out) == [4, 6, 8]
+    return out, dict(summary["train_losses"])
+
+
+def _data_files(step_dir: Path, item: str) -> list[Path]:
+    return sorted((p for p in (step_dir / item).rglob("*") if p.is_file() and p.parent.name == "d"),
+                  key=lambda p: -p.stat().st_size)
+
+
+def damage(out: Path, step: int, how: str) -> int:
+    """Damage a step; returns the step number that is now damaged."""
+    d = ckpt.checkpoint_dir(out) / str(step)
+    if how == "truncate_array":
+        f = _data_files(d, "params")[0]
+        os.truncate(f, f.stat().st_size // 2)
+    elif how == "delete_array":
+        _data_files(d, "opt_state")[0].unlink()
+    elif how == "delete_manifest":
+        (d / "params" / "manifest.ocdbt").unlink()
+    elif how == "truncate_meta":
+        os.truncate(d / "meta" / "metadata", 10)
+    elif how == "torn_newer_step":  # a step directory that is only half there
+        torn = ckpt.checkpoint_dir(out) / str(step + 2)
+        shutil.copytree(d, torn)
+        for f in _data_files(torn, "params")[::2]:
+            f.unlink()
+        return step + 2
+    else:
+        raise ValueError(how)
+    return step
+
+
+@pytest.mark.parametrize("how", ["truncate_array", "delete_array", "delete_manifest", "truncate_meta",
+                                 "torn_newer_step"])
+def test_damaged_newest_checkpoint_falls_back_with_warning(tmp_path, char_data, trained, capsys, how):
+    src, want = trained
+    out = tmp_path / "o"
+    shutil.copytree(src, out)
+    bad = damage(out, 8, how)
+    previous = 6 if bad == 8 else 8
+    capsys.readouterr()
+    summary = run_inproc(out, char_data, *SHORT, "--init_from=resume", "--max_iters=10")
+    err = capsys.readouterr().err
+    assert f"warning: checkpoint step {bad} is damaged" in err, err
+    assert f"falling back to step {previous}" in err and f"resuming from step {previous}" in err, err
+    assert summary["start_step"] == previous  # never silently from step 0
+    # The damaged step was moved aside, and the run saved good steps past it.
+    assert (ckpt.checkpoint_dir(out) / f"{bad}.damaged").is_dir()
+    assert ckpt.list_steps(out)[-1] == 10
+    got = dict(summary["train_losses"])
+    for s in range(previous + 1, 9):
+        assert got[s] == want[s], (s, got[s], want[s])  # exact after the fallback
+
+
+def test_every_checkpoint_damaged_is_a_clear_error(tmp_path, char_data, trained):
+    src, _ = trained
+    out = tmp_path / "o"
+    shutil.copytree(src, out)
+    for s in ckpt.list_steps(out):
+        damage(out, s, "truncate_array")
+    with pytest.raises(UserError, match=r"every checkpoint in .* is damaged \(steps \[4, 6, 8\]; newest: "):
+        run_inproc(out, char_data, *SHORT, "--init_from=resume", "--max_iters=10")
+    assert ckpt.list_steps(out) == [4, 6, 8]  # nothing moved or deleted when nothing restores
+
+
+# ----------------------------------------------------------------------------- full disk
+
+_INJECT = '''
+import errno, os, runpy, sys
+sys.path.insert(0, os.getcwd())  # the repository (the subprocess runs there)
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+orig = jh.JsonCheckpointHandler._save_fn
+async def full_disk(self, x, directory):  # the disk fills up while step FAIL_STEP is written
+    if x.get("step") == int(os.environ["FAIL_STEP"]):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "metadata"))
+    return await orig(self, x, directory)
+jh.JsonCheckpointHandler._save_fn = full_disk
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+'''
+
+
+def _one_error_line(err: str) -> str:
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, err
+    assert "Traceback" not in err and "ERROR:absl" not in err and "Exception" not in err, err
+    assert err.strip().splitlines()[-1] == errors[0], err
+    return errors[0]
+
+
+def test_disk_full_during_async_save_is_one_line_and_keeps_previous(tmp_path, char_data, reference):
+    """The write error of step 4 surfaces at the next save as one line; step 2 stays restorable."""
+    wrapper = tmp_path / "inject.py"
+    wrapper.write_text(_INJECT)
+    out = tmp_path / "o"
+    os.environ["FAIL_STEP"] = "4"
+    try:
+        p, log = start(out, char_data, script=str(wrapper))
+    finally:
+        del os.environ["FAIL_STEP"]
+    err = finish(p, log)
+    assert p.returncode == 2, err
+    line = _one_error_line(err)
+    assert "could not write checkpoint step 4" in line and "No space left on device" in line, line
+    assert "free space" in line and "steps [2]" in line, line
+    assert ckpt.list_steps(out) == [2]  # the failed step's tmp dir is removed, now or at the next start
+    p, log = start(out, char_data, "--init_from=resume")
+    err = finish(p, log)
+    assert p.returncode == 0 and "resuming from step 2" in err, err
+    assert tmp_dirs(out) == []
+    assert_same_as_reference(out, reference.get())
+
+
+def _mount_tmpfs(where: Path, size: str) -> bool:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    where.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+def test_real_full_disk_tmpfs(tmp_path, char_data, reference):
+    """A real ENOSPC from TensorStore on a small tmpfs (skipped where tmpfs cannot be mounted)."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "4m"):
+        pytest.skip("cannot mount a size-limited tmpfs here (needs root and mount rights)")
+    try:
+        out = disk / "o"
+        out.mkdir()
+        free = shutil.disk_usage(disk).free
+        ballast = disk / "ballast"
+        with open(ballast, "wb") as f:  # leave room for about one checkpoint (~0.5 MB) only
+            f.write(b"\0" * (free - 800_000))
+        p, log = start(out, char_data)
+        err = finish(p, log)
+        assert p.returncode == 2, err
+        line = _one_error_line(err)
+        assert "No space left on device" in line, line
+        steps = ckpt.list_steps(out)
+        assert steps and steps[-1] < N, steps
+        ballast.unlink()
+        p, log = start(out, char_data, "--init_from=resume")
+        err = finish(p, log)
+        assert p.returncode == 0 and f"resuming from step {steps[-1]}" in err, err
+        assert "damaged" not in err, err
+        assert_same_as_reference(out, reference.get())
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
