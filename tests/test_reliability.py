@@ -249,18 +249,8 @@ def test_signal_saves_within_one_step_exits_zero_and_resumes_exactly(tmp_path, c
 # ----------------------------------------------------------------------------- damaged checkpoints
 
 
-def _configs(out, data, *argv):
-    from gpt.config import ModelConfig, TrainConfig, build, validate_model, validate_train
-    (m, t), explicit = build([ModelConfig, TrainConfig],
-                             ["--preset=tiny", f"--out_dir={out}", f"--data_dir={data}",
-                              "--log_interval=1", "--no_progress", *argv])
-    return validate_model(m), validate_train(t), explicit
-
-
-def run_inproc(out, data, *argv):
-    from gpt import train as T
-    m, t, explicit = _configs(out, data, *argv)
-    return T.train(T.prepare_setup(m, t, explicit))
+from test_train import configs as _configs  # noqa: E402  (shared with the training tests)
+from test_train import run as run_inproc  # noqa: E402
 
 
 SHORT = ["--max_iters=8", "--ckpt_interval=2", "--eval_interval=8", "--keep_checkpoints=3"]
