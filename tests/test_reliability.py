@@ -249,7 +249,6 @@ def test_signal_saves_within_one_step_exits_zero_and_resumes_exactly(tmp_path, c
 # ----------------------------------------------------------------------------- damaged checkpoints
 
 
-from test_train import configs as _configs  # noqa: E402  (shared with the training tests)
 from test_train import run as run_inproc  # noqa: E402
 
 
