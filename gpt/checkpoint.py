@@ -278,18 +278,15 @@ def load_model(out_dir: str | Path, dtype: str = "auto", step: int | None = None
     from flax import nnx
 
     from gpt.config import model_from_dict
-    from gpt.model import GPT
+    from gpt.model import GPT, abstract_params
     from gpt.tokenizer import load_tokenizer
 
     if not list_steps(out_dir):
         raise UserError(describe_missing(out_dir))
     _, meta = read_meta(out_dir, step)
     cfg = dataclasses.replace(model_from_dict(meta["config"]["model"]), dtype=dtype, dropout=0.0)
-    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
-    sd = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sd),
-                            nnx.to_pure_dict(shapes))
-    s, params, _, meta = Checkpointer(out_dir, read_only=True).restore(abstract, step=step)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    s, params, _, meta = Checkpointer(out_dir, read_only=True).restore(abstract_params(cfg), step=step)
     if "tokenizer" not in meta:
         raise UserError(f"the checkpoint in {out_dir} records no tokenizer; re-create it with "
                         f"python -m gpt.convert or python train.py")

@@ -406,7 +406,7 @@ def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool
         raise UserError(f"the checkpoint in {out_dir} (step {step}) has no model config ({e}); "
                         f"it is damaged") from None
     check_gpt2_compatible(cfg)
-    from gpt.train import abstract_params
+    from gpt.model import abstract_params
     reader = ckpt.Checkpointer(out_dir, read_only=True)
     step, params, _, meta = reader.restore(abstract_params(cfg), step=step)
     tok = meta.get("tokenizer")

@@ -377,3 +377,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     """
     T = seq_len or cfg.block_size
     return 6 * num_params(cfg, include_position=False) + 12 * cfg.n_layer * T * cfg.n_embd
+
+
+def abstract_params(m: ModelConfig, shardings=None):
+    """Shapes/dtypes of the parameters (no memory), placed on one device or on `shardings`."""
+    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(m, rngs=nnx.Rngs(0)))))
+    if shardings is None:
+        sd = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sd), shapes)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, shardings)

@@ -30,7 +30,7 @@ from gpt import metrics as metrics_lib
 from gpt import sharding
 from gpt.config import ARCH_FIELDS, ModelConfig, TrainConfig, model_from_dict, to_dict
 from gpt.errors import UserError
-from gpt.model import GPT, compute_dtype, flops_per_token, num_params
+from gpt.model import GPT, abstract_params, compute_dtype, flops_per_token, num_params
 from gpt.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -219,15 +219,6 @@ def load_init(src: Path, m: ModelConfig, explicit: set[str]) -> tuple[ModelConfi
     return m, params
 
 
-def abstract_params(m: ModelConfig, shardings: Any = None) -> Any:
-    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(m, rngs=nnx.Rngs(0)))))
-    if shardings is None:
-        sd = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sd), shapes)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        shapes, shardings)
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -364,7 +355,7 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
     x, y = device_batch(train_batches)
     try:
         while step < t.max_iters:
-            params, opt_state, step_arr, last_metrics = step_fn(params, opt_state, step, x, y)
+            params, opt_state, _, last_metrics = step_fn(params, opt_state, step, x, y)
             step += 1
             tokens_since += A * B * T
             if step < t.max_iters:
