@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,7 +90,7 @@ def cases(w) -> list[Case]:
     C = [PY, "-m", "gpt.convert"]
     E = [PY, "-m", "gpt.evaluate"]
     two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    return [
+    all_cases = [
         # train.py: flags
         Case("train unknown flag", T + [f"--out_dir={new}", "--n_layr=2"], "did you mean --n_layer", new),
         Case("train ill-typed int", T + [f"--out_dir={new}", "--batch_size=x"], "--batch_size", new),
@@ -173,6 +174,19 @@ def cases(w) -> list[Case]:
              "no checkpoint found", root / "empty"),
         Case("evaluate missing input flag", E + [f"--out_dir={good}"], "--input", good),
     ]
+    return [own_new_dir(c, new) for c in all_cases]
+
+
+def own_new_dir(case: Case, new: Path) -> Case:
+    """Give each case that watches the never-created dir its own copy of it.
+
+    The matrix runs cases in parallel; with one shared dir, a case that stages inside it (and
+    removes it again) would show up as a change in another case's snapshot."""
+    if case.watch != new:
+        return case
+    mine = new.with_name(f"{new.name}-{re.sub(r'[^a-z0-9]+', '-', case.name)}")
+    cmd = [arg.replace(str(new), str(mine)) for arg in case.cmd]
+    return Case(case.name, cmd, case.needle, mine, case.env)
 
 
 # A subset that covers every command and both kinds (flag checks, checkpoint/file checks); CI runs it.
