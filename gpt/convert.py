@@ -39,7 +39,8 @@ from gpt.errors import UserError, run_main
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation our model uses
+# Hugging Face activation names -> ours: GPT-2's tanh approximation (two spellings) or exact GELU.
+HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 GPT2_VOCAB = 50257
 GPT2_EOT = 50256
 _UNSET = object()
@@ -106,9 +107,9 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
     n_embd, n_layer, n_head = get_int("n_embd"), get_int("n_layer"), get_int("n_head")
     block_size, vocab_size = get_int("n_positions", "n_ctx"), get_int("vocab_size")
     act = hf.get("activation_function", "gelu_new")
-    if act not in GELU_TANH:
-        raise UserError(f"{where}: activation_function {act!r} is not supported; this model uses the "
-                        f"tanh-approximate GELU ({' or '.join(GELU_TANH)})")
+    if act not in HF_ACTIVATIONS:
+        raise UserError(f"{where}: activation_function {act!r} is not supported; use one of "
+                        f"{', '.join(HF_ACTIVATIONS)}")
     eps = hf.get("layer_norm_epsilon", 1e-5)
     if not isinstance(eps, (int, float)) or not math.isclose(eps, 1e-5, rel_tol=1e-6):
         raise UserError(f"{where}: layer_norm_epsilon {eps!r} is not supported (only 1e-5, GPT-2's)")
@@ -121,7 +122,8 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
         if hf.get(key, want) != want:
             raise UserError(f"{where}: {key}={hf[key]!r} is not supported (GPT-2 uses {want})")
     cfg = ModelConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                      n_embd=n_embd, dropout=0.0, bias=True, pos_embedding="learned")
+                      n_embd=n_embd, dropout=0.0, bias=True, pos_embedding="learned",
+                      activation=HF_ACTIVATIONS[act])
     try:
         return validate_model(cfg)
     except UserError as e:
@@ -135,7 +137,7 @@ def hf_config(cfg: ModelConfig, eot_id: Any = _UNSET) -> dict[str, Any]:
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
-        "activation_function": "gelu_new",
+        "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
         "attn_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout,
         "resid_pdrop": cfg.dropout,

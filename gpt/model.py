@@ -269,7 +269,7 @@ class Block(nnx.Module):
 
         h_BTD = layer_norm(x_BTD, self.ln2_scale[...], _value(self.ln2_bias))
         h_BTF = jax.nn.gelu(dense(h_BTD, self.w_fc[...], "btd,df->btf", dtype) + bias(self.b_fc),
-                            approximate=True)
+                            approximate=cfg.activation == "gelu_tanh")
         mlp_BTD = dense(h_BTF, self.w_proj[...], "btf,fd->btd", dtype) + bias(self.b_proj)
         return x_BTD + dropout(mlp_BTD, cfg.dropout, keys[2]), cache
 

@@ -26,12 +26,12 @@ REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-4
 
 
-def make_hf(path: Path, vocab: int, seed: int = 0):
+def make_hf(path: Path, vocab: int, seed: int = 0, activation: str = "gelu_new"):
     """A small random GPT2LMHeadModel with every parameter (LN and biases too) perturbed, saved."""
     torch.manual_seed(seed)
     eot = 50256 if vocab == 50257 else vocab - 1
     cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                  bos_token_id=eot, eos_token_id=eot)
+                                  bos_token_id=eot, eos_token_id=eot, activation_function=activation)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -74,6 +74,19 @@ def test_load_hf_logit_parity(hf, attention):
     diff = float(np.abs(logits[..., :cfg.vocab_size] - ref).max())
     print(f"max abs logit diff vs transformers ({attention}): {diff:.3g}")
     assert diff < TOL
+
+
+def test_exact_gelu_parity_and_export(tmp_path):
+    """nanoGPT's models use exact GELU: HF "gelu" loads as activation=gelu and exports back as it."""
+    model = make_hf(tmp_path / "hf", vocab=96, activation="gelu")
+    idx = np.random.default_rng(1).integers(0, 96, (2, 64))
+    ref = torch_logits(model, idx)
+    cfg, params = convert.load_hf(tmp_path / "hf")
+    assert cfg.activation == "gelu"
+    diff = float(np.abs(our_logits(cfg, params, idx)[..., :96] - ref).max())
+    tanh = our_logits(dataclasses.replace(cfg, activation="gelu_tanh"), params, idx)[..., :96]
+    assert diff < TOL < float(np.abs(tanh - ref).max())  # the two GELUs are distinguishable here
+    assert convert.hf_config(cfg)["activation_function"] == "gelu"
 
 
 def test_cli_round_trip(hf, tmp_path):
