@@ -170,10 +170,17 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: floa
     return y + bias if bias is not None else y
 
 
-def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+def keep_mask(key: jax.Array | None, rate: float, shape) -> jax.Array:
+    """Dropout's keep mask; a scalar True (keep everything) without a key or at rate 0."""
     if key is None or rate == 0.0:
+        return jnp.ones((), bool)
+    return jax.random.bernoulli(key, 1.0 - rate, shape)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    keep = keep_mask(key, rate, x.shape)
+    if keep.ndim == 0:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
@@ -193,6 +200,57 @@ def attention_einsum(q_BTHK, k_BSHK, v_BSHK, mask_BTS, rate: float = 0.0, key=No
     probs_BHTS = dropout(jax.nn.softmax(scores_BHTS, axis=-1), rate, key)
     return jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK,
                       preferred_element_type=jnp.float32)
+
+
+def _swap_last(a: jax.Array) -> jax.Array:
+    """Swap the last two axes; on CPU materialised (see `_physical_transpose`)."""
+    if jax.default_backend() != "cpu":
+        return jnp.swapaxes(a, -1, -2)
+    *lead, M, N = a.shape
+    return jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2).reshape(-1)).reshape(*lead, N, M)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def attention_lowp(q_BTHK, k_BTHK, v_BTHK, keep_BHTS, rate: float) -> jax.Array:
+    """Causal training attention (with dropout) whose backward matmuls stay in the compute dtype.
+
+    The same function as `attention_einsum` with a causal mask and the dropout mask `keep_BHTS`
+    (bool; a scalar True when rate is 0). Under plain autodiff the backward dots get float32
+    cotangents and two of them (dV = P.T @ dO, dK = dS.T @ Q) contract over the query axis, the
+    layout the CPU's fast bf16 kernel lacks; here every dot is an `a @ b` or `a @ b.T` product in
+    q's dtype, with physically transposed P and dS where needed. Only used without a KV cache.
+    """
+    return _attention_lowp_fwd(q_BTHK, k_BTHK, v_BTHK, keep_BHTS, rate)[0]
+
+
+def _attention_lowp_fwd(q_BTHK, k_BTHK, v_BTHK, keep_BHTS, rate):
+    T, K = q_BTHK.shape[1], q_BTHK.shape[3]
+    q_BHTK, k_BHSK, v_BHSK = (jnp.swapaxes(a, 1, 2) for a in (q_BTHK, k_BTHK, v_BTHK))
+    s_BHTS = _mm(q_BHTK, k_BHSK, "bhtk,bhsk->bhts") * (1.0 / math.sqrt(K))
+    p_BHTS = jax.nn.softmax(jnp.where(causal_mask(T)[None], s_BHTS, NEG_INF), axis=-1)
+    pd_BHTS = jnp.where(keep_BHTS, p_BHTS / (1.0 - rate), 0.0) if rate > 0 else p_BHTS
+    o_BHTK = _mm(pd_BHTS.astype(q_BTHK.dtype), v_BHSK, "bhts,bhsk->bhtk")
+    return jnp.swapaxes(o_BHTK, 1, 2), (q_BHTK, k_BHSK, v_BHSK, keep_BHTS, p_BHTS)
+
+
+def _attention_lowp_bwd(rate, res, g_BTHK):
+    q_BHTK, k_BHSK, v_BHSK, keep_BHTS, p_BHTS = res
+    dtype, K = q_BHTK.dtype, q_BHTK.shape[-1]
+    g_BHTK = jnp.swapaxes(g_BTHK, 1, 2).astype(dtype)
+    pd_BHTS = jnp.where(keep_BHTS, p_BHTS / (1.0 - rate), 0.0) if rate > 0 else p_BHTS
+    dv_BHSK = _mm(_swap_last(pd_BHTS.astype(dtype)), g_BHTK, "bhst,bhtk->bhsk")
+    dpd_BHTS = _mm(g_BHTK, v_BHSK, "bhtk,bhsk->bhts")
+    dp_BHTS = jnp.where(keep_BHTS, dpd_BHTS / (1.0 - rate), 0.0) if rate > 0 else dpd_BHTS
+    # Softmax backward in float32; masked positions have p = 0, so their gradient is 0.
+    ds_BHTS = (p_BHTS * (dp_BHTS - jnp.sum(dp_BHTS * p_BHTS, -1, keepdims=True))
+               * (1.0 / math.sqrt(K))).astype(dtype)
+    dq_BHTK = _mm(ds_BHTS, k_BHSK, "bhts,bhsk->bhtk")
+    dk_BHSK = _mm(_swap_last(ds_BHTS), q_BHTK, "bhst,bhtk->bhsk")
+    back = lambda a: jnp.swapaxes(a, 1, 2).astype(dtype)
+    return back(dq_BHTK), back(dk_BHSK), back(dv_BHSK), None
+
+
+attention_lowp.defvjp(_attention_lowp_fwd, _attention_lowp_bwd)
 
 
 def attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, implementation: str | None) -> jax.Array:
@@ -257,7 +315,12 @@ class Block(nnx.Module):
         else:
             cache, k_BSHK, v_BSHK, mask_BTS = _update_cache(cache, layer, k_BTHK, v_BTHK)
         use_einsum = cfg.attention == "einsum" or (key is not None and cfg.dropout > 0)
-        if use_einsum:
+        if use_einsum and mask_BTS is None and jnp.dtype(dtype) != jnp.float32:
+            B, T = q_BTHK.shape[:2]
+            keep_BHTS = keep_mask(keys[0], cfg.dropout, (B, cfg.n_head, T, T))
+            rate = cfg.dropout if keep_BHTS.ndim else 0.0
+            y_BTHK = attention_lowp(q_BTHK, k_BSHK, v_BSHK, keep_BHTS, rate)
+        elif use_einsum:
             T = q_BTHK.shape[1]
             mask = causal_mask(T) if mask_BTS is None else mask_BTS
             y_BTHK = attention_einsum(q_BTHK, k_BSHK, v_BSHK, mask, cfg.dropout, keys[0])

@@ -251,6 +251,9 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
         out.mkdir(parents=True, exist_ok=True)
     if t.overwrite and t.init_from != "resume" and main:
         ckpt.remove_all(out)
+    if jax.process_count() > 1:  # no process may look at out_dir before process 0 has set it up
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("gpt_train_out_dir_ready")
 
     graphdef, params_shape = nnx.split(nnx.eval_shape(lambda: GPT(m, rngs=nnx.Rngs(t.seed))))
     p_shard = sharding.param_shardings(nnx.to_pure_dict(params_shape), mesh)

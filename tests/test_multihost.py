@@ -67,7 +67,8 @@ def test_two_processes_train_like_one_process_with_eight_devices(char_data, tmp_
     port = free_port()
     multi, single = tmp_path / "multi", tmp_path / "single"
     data = f"--data_dir={char_data}"
-    procs = [start([*COMMON, data, f"--out_dir={multi}", "--distributed", "--mesh=data:8",
+    # --overwrite: the out_dir set-up (process 0) is followed by a barrier every process must reach.
+    procs = [start([*COMMON, data, f"--out_dir={multi}", "--overwrite", "--distributed", "--mesh=data:8",
                     f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                     f"--process_id={i}"], devices=4, GPT_DISTRIBUTED_TIMEOUT="120")
              for i in (0, 1)]
