@@ -54,6 +54,24 @@ def test_gpt2_parameter_count():
     assert M.flops_per_token(cfg) == 6 * n + 12 * 12 * 1024 * 768
 
 
+@pytest.mark.parametrize("rate", [0.001, 0.2, 0.5])
+def test_dropout_mask_rate_and_scale(rate):
+    """16-bit masks: the kept fraction is 1 - rate (to sampling error), the mean is preserved,
+    odd trailing sizes work, and the same key gives the same mask."""
+    key = jax.random.key(4)
+    keep = M.keep_mask(key, rate, (8, 3, 40001))
+    assert keep.shape == (8, 3, 40001) and keep.dtype == jnp.bool_
+    n = keep.size
+    kept = float(keep.mean())
+    assert abs(kept - (1 - rate)) < 5 * (rate * (1 - rate) / n) ** 0.5 + 1e-5, kept
+    assert abs(M.drop_rate(rate) - rate) <= 2 ** -17
+    y = M.dropout(jnp.ones((8, 3, 40001)), rate, key)
+    assert abs(float(y.mean()) - 1.0) < 5 * (rate / (1 - rate) / n) ** 0.5 + 1e-5
+    assert bool(jnp.all(M.keep_mask(key, rate, (8, 3, 40001)) == keep))
+    assert not bool(jnp.all(M.keep_mask(jax.random.key(5), rate, (8, 3, 40001)) == keep))
+    assert M.keep_mask(None, rate, (4,)).ndim == 0 and M.keep_mask(key, 0.0, (4,)).ndim == 0
+
+
 @pytest.mark.parametrize("rate", [0.0, 0.3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lowp_attention_matches_einsum(rate, dtype):
@@ -66,7 +84,7 @@ def test_lowp_attention_matches_einsum(rate, dtype):
     keep = M.keep_mask(key, rate, (B, H, T, T))
     dt = jnp.dtype(dtype)
     cast = lambda *a: [x.astype(dt) for x in a]
-    y1, vjp1 = jax.vjp(lambda *a: M.attention_lowp(*cast(*a), keep, rate), q, k, v)
+    y1, vjp1 = jax.vjp(lambda *a: M.attention_lowp(*cast(*a), keep, M.drop_rate(rate)), q, k, v)
     y2, vjp2 = jax.vjp(lambda *a: M.attention_einsum(*cast(*a), M.causal_mask(T), rate, key), q, k, v)
     np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), atol=1e-6)
     g = jax.random.normal(ks[4], y1.shape)
