@@ -27,8 +27,8 @@ def test_presets():
     m, t, _ = parse(["--preset=shakespeare-char"])
     assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout) == (6, 6, 384, 256, 0.2)
     assert (t.batch_size, t.max_iters, t.warmup_iters, t.grad_clip) == (64, 5000, 100, 1.0)
-    assert m.activation == "gelu"  # nanoGPT's nn.GELU(); the GPT-2 presets keep GPT-2's tanh form
-    assert parse(["--preset=gpt2"])[0].activation == "gelu_tanh"
+    assert m.activation == "gelu_tanh"
+    assert parse(["--preset=shakespeare-char", "--activation=gelu"])[0].activation == "gelu"
     assert {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "shakespeare-char", "tiny"} <= set(PRESETS)
 
 
