@@ -36,7 +36,11 @@ _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.
 
 
 class _DropOrbaxLogs(logging.Filter):
-    """Orbax logs every failed background save with a traceback; we report it as one line."""
+    """Orbax logs every failed background save with a traceback; we report it as one line.
+
+    The same failure can also reach asyncio's "exception was never retrieved" log (when several
+    of a save's write tasks fail, Orbax retrieves only the first), so that logger is filtered too.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         files = [record.pathname]
@@ -48,6 +52,7 @@ class _DropOrbaxLogs(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_DropOrbaxLogs())
+logging.getLogger("asyncio").addFilter(_DropOrbaxLogs())
 
 
 def storage_errno(e: BaseException) -> int | None:
