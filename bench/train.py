@@ -11,9 +11,9 @@ make_train_step + make_optimizer, jitted with the parameters and optimizer state
 Step time is the median of --steps steps after --warmup warm-up steps, each one synchronised
 (block_until_ready). The matmul ceiling is measured in the same run and dtype
 (gpt.metrics.measure_matmul_tflops); MFU is given against it and against the vendor peak where known.
---dtypes runs several compute dtypes one after the other (e.g. float32 vs bfloat16) and reports the
-speedup of each over the first. The last line printed is one JSON object (the last dtype's figures at
-the top level, all of them under "runs").
+--dtypes times several compute dtypes (e.g. float32 vs bfloat16) interleaved, one step of each per
+round, and reports the speedup of each over the first (of the medians, and per round). The last
+line printed is one JSON object (the last dtype's figures at the top level, all under "runs").
 """
 from __future__ import annotations
 
@@ -69,68 +69,88 @@ def split_bench_args(argv: list[str]) -> tuple[dict, list[str]]:
     return opts, rest
 
 
-def bench_one(m: ModelConfig, t: TrainConfig, opts: dict) -> dict:
-    dtype = compute_dtype(m)
-    dtype_name = jnp.dtype(dtype).name
-    A, B, T = t.gradient_accumulation_steps, t.batch_size, m.block_size
-    tokens_per_step = A * B * T
+class Variant:
+    """One compiled train step (one compute dtype) with its own parameters, optimizer and batches."""
 
-    graphdef, params_shape = nnx.split(nnx.eval_shape(lambda: GPT(m, rngs=nnx.Rngs(t.seed))))
-    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed)))))()
-    tx = make_optimizer(t)
-    opt_state = jax.jit(tx.init)(params)
-    step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=m.dropout > 0),
-                      donate_argnums=(0, 1))
-
-    rng = np.random.default_rng(t.seed)
-    n_batches = 2  # alternate two batches so no step sees a cached input
-    batches = [(jnp.asarray(rng.integers(0, m.vocab_size, (A, B, T), dtype=np.int32)),
-                jnp.asarray(rng.integers(0, m.vocab_size, (A, B, T), dtype=np.int32)))
-               for _ in range(n_batches)]
-    step = jnp.asarray(0, jnp.int32)
-
-    t0 = time.perf_counter()
-    compiled = step_fn.lower(params, opt_state, step, *batches[0]).compile()
-    compile_sec = time.perf_counter() - t0
-
-    times, losses = [], []
-    for i in range(opts["warmup"] + opts["steps"]):
-        x, y = batches[i % n_batches]
+    def __init__(self, m: ModelConfig, t: TrainConfig):
+        self.m, self.t = m, t
+        A, B, T = t.gradient_accumulation_steps, t.batch_size, m.block_size
+        self.tokens_per_step = A * B * T
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(m, rngs=nnx.Rngs(t.seed))))
+        self.params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed)))))()
+        tx = make_optimizer(t)
+        self.opt_state = jax.jit(tx.init)(self.params)
+        step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=m.dropout > 0),
+                          donate_argnums=(0, 1))
+        rng = np.random.default_rng(t.seed)
+        # Alternate two batches so no step sees a cached input.
+        self.batches = [(jnp.asarray(rng.integers(0, m.vocab_size, (A, B, T), dtype=np.int32)),
+                         jnp.asarray(rng.integers(0, m.vocab_size, (A, B, T), dtype=np.int32)))
+                        for _ in range(2)]
+        self.step = jnp.asarray(0, jnp.int32)
         t0 = time.perf_counter()
-        params, opt_state, step, met = compiled(params, opt_state, step, x, y)
-        jax.block_until_ready((params, opt_state, step, met))
-        dt = time.perf_counter() - t0
-        losses.append(float(met["loss"]))
-        if i >= opts["warmup"]:
-            times.append(dt)
-    step_sec = statistics.median(times)
+        self.compiled = step_fn.lower(self.params, self.opt_state, self.step, *self.batches[0]).compile()
+        self.compile_sec = time.perf_counter() - t0
+        self.times: list[float] = []
+        self.losses: list[float] = []
 
-    # The ceiling is measured after the steps, on a warm machine, in the compute dtype.
-    ceiling = metrics_lib.measure_matmul_tflops(dtype, n=opts["ceiling_n"] or None,
-                                                reps=opts["ceiling_reps"])
-    vendor = metrics_lib.vendor_peak_tflops(dtype_name)
-    fpt = flops_per_token(m, T)
-    rate = metrics_lib.Throughput(fpt, ceiling, vendor, 1)(tokens_per_step, step_sec)
-    if not all(np.isfinite(losses)):
-        raise UserError(f"non-finite loss in the benchmark: {losses}")
-    return {
-        "dtype": dtype_name,
-        "step_ms": 1e3 * step_sec,
-        "step_ms_min": 1e3 * min(times),
-        "step_ms_max": 1e3 * max(times),
-        "step_ms_all": [round(1e3 * s, 2) for s in times],
-        "tokens_per_sec": rate["tokens_per_sec"],
-        "model_tflops": rate["model_tflops"],
-        "ceiling_tflops": ceiling,
-        "mfu_measured": rate["mfu"],
-        "mfu_vendor": rate["mfu_vendor"],
-        "vendor_peak_tflops": vendor,
-        "compile_sec": compile_sec,
-        "flops_per_token": fpt,
-        "tokens_per_step": tokens_per_step,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-    }
+    def run_step(self, i: int, timed: bool) -> None:
+        x, y = self.batches[i % 2]
+        t0 = time.perf_counter()
+        self.params, self.opt_state, self.step, met = self.compiled(
+            self.params, self.opt_state, self.step, x, y)
+        jax.block_until_ready((self.params, self.opt_state, self.step, met))
+        dt = time.perf_counter() - t0
+        self.losses.append(float(met["loss"]))
+        if timed:
+            self.times.append(dt)
+
+    def result(self, opts: dict) -> dict:
+        dtype = compute_dtype(self.m)
+        dtype_name = jnp.dtype(dtype).name
+        step_sec = statistics.median(self.times)
+        # The ceiling is measured after the steps, on a warm machine, in the compute dtype.
+        ceiling = metrics_lib.measure_matmul_tflops(dtype, n=opts["ceiling_n"] or None,
+                                                    reps=opts["ceiling_reps"])
+        vendor = metrics_lib.vendor_peak_tflops(dtype_name)
+        fpt = flops_per_token(self.m, self.m.block_size)
+        rate = metrics_lib.Throughput(fpt, ceiling, vendor, 1)(self.tokens_per_step, step_sec)
+        if not all(np.isfinite(self.losses)):
+            raise UserError(f"non-finite loss in the benchmark: {self.losses}")
+        return {
+            "dtype": dtype_name,
+            "step_ms": 1e3 * step_sec,
+            "step_ms_min": 1e3 * min(self.times),
+            "step_ms_max": 1e3 * max(self.times),
+            "step_ms_all": [round(1e3 * s, 2) for s in self.times],
+            "tokens_per_sec": rate["tokens_per_sec"],
+            "model_tflops": rate["model_tflops"],
+            "ceiling_tflops": ceiling,
+            "mfu_measured": rate["mfu"],
+            "mfu_vendor": rate["mfu_vendor"],
+            "vendor_peak_tflops": vendor,
+            "compile_sec": self.compile_sec,
+            "flops_per_token": fpt,
+            "tokens_per_step": self.tokens_per_step,
+            "loss_first": self.losses[0],
+            "loss_last": self.losses[-1],
+        }
+
+
+def bench(variants: list[Variant], opts: dict) -> list[dict]:
+    """Time every variant; with several, round-robin one step of each per round, so that all of
+    them see the same machine load (on a shared or throttling machine separate runs can differ
+    by more than the effect being measured)."""
+    for i in range(opts["warmup"] + opts["steps"]):
+        for v in variants:
+            v.run_step(i, timed=i >= opts["warmup"])
+    runs = [v.result(opts) for v in variants]
+    for r in runs[1:]:
+        r["speedup_vs_" + runs[0]["dtype"]] = runs[0]["step_ms"] / r["step_ms"]
+        # Per-round ratios: robust to load that changes between rounds.
+        per_round = [a / b for a, b in zip(runs[0]["step_ms_all"], r["step_ms_all"])]
+        r["speedup_per_round"] = [round(x, 3) for x in per_round]
+    return runs
 
 
 def main(argv: list[str]) -> int:
@@ -141,19 +161,15 @@ def main(argv: list[str]) -> int:
             m = dataclasses.replace(m, vocab_size=CHAR_VOCAB)
         m, t = validate_model(m), validate_train(t)
         dtypes = [d for d in opts["dtypes"].split(",") if d] or [m.dtype]
-        runs = []
         device = metrics_lib.device_name()
         print(f"device: {device}; jax {jax.__version__}")
         print(f"model: {num_params(m) / 1e6:.2f}M params, L={m.n_layer} H={m.n_head} D={m.n_embd} "
               f"T={m.block_size} V={m.vocab_size}; batch {t.batch_size} x accum "
               f"{t.gradient_accumulation_steps}; dropout {m.dropout}; attention {m.attention}; "
               f"remat {m.remat}")
-        for d in dtypes:
-            md = validate_model(dataclasses.replace(m, dtype=d))
-            r = bench_one(md, t, opts)
-            if runs:
-                r["speedup_vs_" + runs[0]["dtype"]] = runs[0]["step_ms"] / r["step_ms"]
-            runs.append(r)
+        variants = [Variant(validate_model(dataclasses.replace(m, dtype=d)), t) for d in dtypes]
+        runs = bench(variants, opts)
+        for r in runs:
             vend = f"{100 * r['mfu_vendor']:.1f}%" if r["mfu_vendor"] is not None else "n/a"
             print(f"[{r['dtype']}] compile {r['compile_sec']:.1f} s | step {r['step_ms']:.1f} ms "
                   f"(median of {opts['steps']}, min {r['step_ms_min']:.1f}, max "
@@ -161,9 +177,10 @@ def main(argv: list[str]) -> int:
                   f"{r['model_tflops']:.3f} model TFLOP/s | matmul ceiling "
                   f"{r['ceiling_tflops']:.3f} TFLOP/s | MFU {100 * r['mfu_measured']:.1f}% of "
                   f"measured, {vend} of vendor | loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
-            if len(runs) > 1:
-                print(f"  {r['dtype']} vs {runs[0]['dtype']}: "
-                      f"{r['speedup_vs_' + runs[0]['dtype']]:.2f}x faster step")
+        for r in runs[1:]:
+            key = "speedup_vs_" + runs[0]["dtype"]
+            print(f"  {r['dtype']} vs {runs[0]['dtype']}: {r[key]:.2f}x faster step (medians; "
+                  f"per interleaved round: {', '.join(f'{x:.2f}' for x in r['speedup_per_round'])})")
         out = dict(runs[-1])
         out.update(device=device, preset=next((a.split("=", 1)[1] for a in rest
                                                if a.startswith("--preset=")), "default"),

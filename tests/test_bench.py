@@ -32,7 +32,7 @@ def test_bench_train_smoke():
               "compile_sec", "device", "dtype", "step_ms"):
         assert k in out
     assert out["dtype"] == "bfloat16" and [r["dtype"] for r in out["runs"]] == ["float32", "bfloat16"]
-    assert "speedup_vs_float32" in out
+    assert "speedup_vs_float32" in out and len(out["speedup_per_round"]) == 2  # interleaved rounds
 
 
 def test_bench_sample_smoke():
