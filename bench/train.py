@@ -12,8 +12,9 @@ Step time is the median of --steps steps after --warmup warm-up steps, each one 
 (block_until_ready). The matmul ceiling is measured in the same run and dtype
 (gpt.metrics.measure_matmul_tflops); MFU is given against it and against the vendor peak where known.
 --dtypes times several compute dtypes (e.g. float32 vs bfloat16) interleaved, one step of each per
-round, and reports the speedup of each over the first (of the medians, and per round). The last
-line printed is one JSON object (the last dtype's figures at the top level, all under "runs").
+round (the order alternating between rounds), and reports the speedup of each over the first (of
+the medians, and per round). The last line printed is one JSON object (the last dtype's figures at
+the top level, all under "runs"). All variants are alive at once: memory is their sum.
 """
 from __future__ import annotations
 
@@ -142,14 +143,14 @@ def bench(variants: list[Variant], opts: dict) -> list[dict]:
     them see the same machine load (on a shared or throttling machine separate runs can differ
     by more than the effect being measured)."""
     for i in range(opts["warmup"] + opts["steps"]):
-        for v in variants:
+        order = variants if i % 2 == 0 else variants[::-1]  # no variant always goes first
+        for v in order:
             v.run_step(i, timed=i >= opts["warmup"])
     runs = [v.result(opts) for v in variants]
-    for r in runs[1:]:
+    for v, r in zip(variants[1:], runs[1:]):
         r["speedup_vs_" + runs[0]["dtype"]] = runs[0]["step_ms"] / r["step_ms"]
         # Per-round ratios: robust to load that changes between rounds.
-        per_round = [a / b for a, b in zip(runs[0]["step_ms_all"], r["step_ms_all"])]
-        r["speedup_per_round"] = [round(x, 3) for x in per_round]
+        r["speedup_per_round"] = [round(a / b, 3) for a, b in zip(variants[0].times, v.times)]
     return runs
 
 

@@ -39,7 +39,7 @@ class _DropOrbaxLogs(logging.Filter):
     """Orbax logs every failed background save with a traceback; we report it as one line.
 
     The same failure can also reach asyncio's "exception was never retrieved" log (when several
-    of a save's write tasks fail, Orbax retrieves only the first), so that logger is filtered too.
+    of a save's write tasks fail, Orbax retrieves only the first): see _DropOrbaxStorageErrors.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -51,8 +51,16 @@ class _DropOrbaxLogs(logging.Filter):
         return not (any("orbax" in f for f in files) or str(record.msg).startswith("[process="))
 
 
+class _DropOrbaxStorageErrors(_DropOrbaxLogs):
+    """For asyncio's log: only Orbax's storage failures (reported as one line); anything else shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return super().filter(record) or exc is None or storage_errno(exc) is None
+
+
 logging.getLogger("absl").addFilter(_DropOrbaxLogs())
-logging.getLogger("asyncio").addFilter(_DropOrbaxLogs())
+logging.getLogger("asyncio").addFilter(_DropOrbaxStorageErrors())
 
 
 def storage_errno(e: BaseException) -> int | None:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.extend.random import threefry2x32_p
 
 from gpt.config import ModelConfig
 
@@ -182,18 +183,23 @@ def keep_mask(key: jax.Array | None, rate: float, shape) -> jax.Array:
     """Dropout's keep mask (True with probability 1 - drop_rate(rate)); a scalar True without a
     key or at rate 0.
 
-    Each 32-bit word gives two 16-bit uniforms, and the words come from XLA's own threefry
-    (`lax.rng_bit_generator`, seeded from `key`), which runs 2x faster on CPU than
-    `jax.random.bits`; `jax.random.bernoulli` (a word and a float conversion per element) made the
-    masks, attention's [B, H, T, T] above all, the largest cost of a CPU step with dropout. The
-    words keep the leading axes of `shape`; the same key gives the same mask under any sharding.
+    `jax.random.bernoulli` (one threefry output word and a float conversion per element) made the
+    masks, attention's [B, H, T, T] above all, the largest cost of a CPU step with dropout. Here
+    each threefry hash gives two 32-bit words, i.e. four 16-bit uniforms: 7x cheaper. Its counters
+    are (row, column) iotas of the mask's own shape, so, as with jax's partitionable threefry, a
+    sharded mask is computed shard by shard and equals the unsharded one (`lax.rng_bit_generator`
+    is faster than `jax.random.bits` too, but XLA runs it whole on every device).
     """
     if key is None or rate == 0.0:
         return jnp.ones((), bool)
     *lead, n = shape
-    seed = jax.random.bits(key, (4,), jnp.uint32)
-    _, words = jax.lax.rng_bit_generator(seed, (*lead, (n + 1) // 2), jnp.uint32,
-                                         algorithm=jax.lax.RandomAlgorithm.RNG_THREE_FRY)
+    full = (*lead, (n + 3) // 4)
+    row = jnp.zeros(full, jnp.uint32)  # the flat index of the leading axes
+    for axis, size in enumerate(lead):
+        row = row * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, full, axis)
+    col = jax.lax.broadcasted_iota(jnp.uint32, full, len(lead))
+    k = jax.random.bits(key, (2,), jnp.uint32)
+    words = jnp.stack(threefry2x32_p.bind(k[0], k[1], row, col), axis=-1)
     u16 = jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(*lead, -1)[..., :n]
     return u16 >= jnp.uint16(round(drop_rate(rate) * DROPOUT_LEVELS))
 
@@ -335,17 +341,18 @@ class Block(nnx.Module):
             k_BSHK, v_BSHK, mask_BTS = k_BTHK, v_BTHK, None
         else:
             cache, k_BSHK, v_BSHK, mask_BTS = _update_cache(cache, layer, k_BTHK, v_BTHK)
-        use_einsum = cfg.attention == "einsum" or (key is not None and cfg.dropout > 0)
-        # On CPU `auto` also takes the hand-written bf16 path: it beat jax.nn.dot_product_attention
-        # by 13% on the shakespeare-char step (BENCHMARKS.md).
-        lowp_auto = cfg.attention == "auto" and jax.default_backend() == "cpu"
-        if ((use_einsum or lowp_auto) and mask_BTS is None
-                and jnp.dtype(dtype) != jnp.float32):
+        train_dropout = key is not None and cfg.dropout > 0  # the fused kernels take no dropout
+        # bfloat16 without a cache takes the hand-written attention when there is dropout, and on
+        # CPU always (it beat jax.nn.dot_product_attention by 13% there; BENCHMARKS.md);
+        # --attention=einsum always runs the plain reference.
+        lowp = (cfg.attention != "einsum" and mask_BTS is None and jnp.dtype(dtype) != jnp.float32
+                and (train_dropout or (cfg.attention == "auto" and jax.default_backend() == "cpu")))
+        if lowp:
             B, T = q_BTHK.shape[:2]
             keep_BHTS = keep_mask(keys[0], cfg.dropout, (B, cfg.n_head, T, T))
             rate = drop_rate(cfg.dropout) if keep_BHTS.ndim else 0.0
             y_BTHK = attention_lowp(q_BTHK, k_BSHK, v_BSHK, keep_BHTS, rate)
-        elif use_einsum:
+        elif cfg.attention == "einsum" or train_dropout:
             T = q_BTHK.shape[1]
             mask = causal_mask(T) if mask_BTS is None else mask_BTS
             y_BTHK = attention_einsum(q_BTHK, k_BSHK, v_BSHK, mask, cfg.dropout, keys[0])

@@ -101,14 +101,15 @@ def test_lowp_attention_is_the_bf16_training_path():
     gd, params = nnx.split(model)
     x = tokens(2, 16, 65)
 
-    def loss(p, dtype):
+    def loss(p, dtype, attention="auto"):
         m = nnx.merge(gd, p)
-        m.cfg = dataclasses.replace(cfg, dtype=dtype)
+        m.cfg = dataclasses.replace(cfg, dtype=dtype, attention=attention)
         logits, _ = m(x, dropout_key=jax.random.key(3))
         return jnp.mean(jax.nn.logsumexp(logits, -1))
 
-    assert "name=attention_lowp" in str(jax.make_jaxpr(lambda p: loss(p, "bfloat16"))(params))
-    assert "name=attention_lowp" not in str(jax.make_jaxpr(lambda p: loss(p, "float32"))(params))
+    uses_lowp = lambda *a: "name=attention_lowp" in str(jax.make_jaxpr(lambda p: loss(p, *a))(params))
+    assert uses_lowp("bfloat16") and uses_lowp("bfloat16", "xla")
+    assert not uses_lowp("float32") and not uses_lowp("bfloat16", "einsum")  # einsum: the reference
     g16, g32 = jax.grad(loss)(params, "bfloat16"), jax.grad(loss)(params, "float32")
     for a, b in zip(jax.tree.leaves(g16), jax.tree.leaves(g32)):
         assert float(jnp.max(jnp.abs(a - b))) / (float(jnp.max(jnp.abs(b))) or 1.0) < 5e-2

@@ -329,6 +329,39 @@ def test_losses_match_one_device_other_meshes(char_data, reference, tmp_path):
     assert w_qkv["shard_shape"] == [2, 32 // 4, 3, 1, 16] and w_qkv["distinct"] == 8
 
 
+# ----------------------------------------------------------------------------- dropout masks
+
+_MASK_SCRIPT = """
+import json, re, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from gpt.model import keep_mask
+shape = (8, 6, 64, 64)  # [B, H, T, S], as for attention dropout
+f = lambda k: keep_mask(k, 0.2, shape)
+key = jax.random.key(7)
+ref = np.asarray(jax.jit(f)(key))
+mesh = jax.make_mesh((2, 2), ("data", "tensor"))
+g = jax.jit(f, out_shardings=NamedSharding(mesh, P("data", "tensor")))
+hlo = g.lower(key).compile().as_text()
+print(json.dumps({"equal": bool((np.asarray(g(key)) == ref).all()), "kept": float(ref.mean()),
+                  "u32_shapes": sorted(set(re.findall(r"u32\\[([\\d,]+)\\]", hlo)))}))
+"""
+
+
+def test_dropout_masks_are_mesh_independent_and_drawn_per_shard():
+    """The same key gives the same mask on a 2x2 mesh, and each device hashes only its shard (no
+    device generates the global [B, H, ...] words)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _MASK_SCRIPT], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["equal"] and abs(out["kept"] - 0.8) < 0.01
+    leading = {tuple(int(d) for d in s.split(",")[:2]) for s in out["u32_shapes"] if s.count(",") >= 3}
+    assert leading == {(4, 3)}, out["u32_shapes"]  # per-device [B/2, H/2, ...] only
+
+
 # ----------------------------------------------------------------------------- bad input (train.py)
 
 
