@@ -204,11 +204,16 @@ def keep_mask(key: jax.Array | None, rate: float, shape) -> jax.Array:
     return u16 >= jnp.uint16(round(drop_rate(rate) * DROPOUT_LEVELS))
 
 
+def _scale_kept(x: jax.Array, keep: jax.Array, rate: float) -> jax.Array:
+    """x / (1 - rate) where kept, 0 where dropped; x itself at rate 0."""
+    return jnp.where(keep, x / (1.0 - rate), 0.0) if rate > 0 else x
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
     keep = keep_mask(key, rate, x.shape)
     if keep.ndim == 0:
         return x
-    return jnp.where(keep, x / (1.0 - drop_rate(rate)), 0.0).astype(x.dtype)
+    return _scale_kept(x, keep, drop_rate(rate)).astype(x.dtype)
 
 
 def sinusoidal(positions: jax.Array, dim: int) -> jax.Array:
@@ -255,7 +260,7 @@ def _attention_lowp_fwd(q_BTHK, k_BTHK, v_BTHK, keep_BHTS, rate):
     q_BHTK, k_BHSK, v_BHSK = (jnp.swapaxes(a, 1, 2) for a in (q_BTHK, k_BTHK, v_BTHK))
     s_BHTS = _mm(q_BHTK, k_BHSK, "bhtk,bhsk->bhts") * (1.0 / math.sqrt(K))
     p_BHTS = jax.nn.softmax(jnp.where(causal_mask(T)[None], s_BHTS, NEG_INF), axis=-1)
-    pd_BHTS = jnp.where(keep_BHTS, p_BHTS / (1.0 - rate), 0.0) if rate > 0 else p_BHTS
+    pd_BHTS = _scale_kept(p_BHTS, keep_BHTS, rate)
     o_BHTK = _mm(pd_BHTS.astype(q_BTHK.dtype), v_BHSK, "bhts,bhsk->bhtk")
     return jnp.swapaxes(o_BHTK, 1, 2), (q_BHTK, k_BHSK, v_BHSK, keep_BHTS, p_BHTS)
 
@@ -264,10 +269,10 @@ def _attention_lowp_bwd(rate, res, g_BTHK):
     q_BHTK, k_BHSK, v_BHSK, keep_BHTS, p_BHTS = res
     dtype, K = q_BHTK.dtype, q_BHTK.shape[-1]
     g_BHTK = jnp.swapaxes(g_BTHK, 1, 2).astype(dtype)
-    pd_BHTS = jnp.where(keep_BHTS, p_BHTS / (1.0 - rate), 0.0) if rate > 0 else p_BHTS
+    pd_BHTS = _scale_kept(p_BHTS, keep_BHTS, rate)
     dv_BHSK = _mm(_swap_last(pd_BHTS.astype(dtype)), g_BHTK, "bhst,bhtk->bhsk")
     dpd_BHTS = _mm(g_BHTK, v_BHSK, "bhtk,bhsk->bhts")
-    dp_BHTS = jnp.where(keep_BHTS, dpd_BHTS / (1.0 - rate), 0.0) if rate > 0 else dpd_BHTS
+    dp_BHTS = _scale_kept(dpd_BHTS, keep_BHTS, rate)
     # Softmax backward in float32; masked positions have p = 0, so their gradient is 0.
     ds_BHTS = (p_BHTS * (dp_BHTS - jnp.sum(dp_BHTS * p_BHTS, -1, keepdims=True))
                * (1.0 / math.sqrt(K))).astype(dtype)
