@@ -60,13 +60,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, start_B: jax.Array | 
 def dense(x: jax.Array, w: jax.Array, spec: str, dtype) -> jax.Array:
     """Matmul in the compute dtype with float32 accumulation and a float32 result.
 
-    Below float32 (bfloat16) it runs through `_dense_lowp`, whose custom VJP keeps the backward
-    matmuls in the compute dtype (plain autodiff would run them in float32, the cotangent's dtype)
-    and, on CPU, in the layouts the fast bf16 kernels take (see there); float32 keeps the plain
-    einsum and its autodiff.
+    It runs through `_dense_vjp`, whose custom VJP keeps the backward matmuls in the compute dtype
+    (plain autodiff would run a bf16 model's in float32, the cotangent's dtype) and, on CPU, in
+    the layouts the fast kernels take (see there); in float32 that alone made a shakespeare-char
+    step 1.36x faster (XLA's own layout for the weight gradient transposed a [B*T, 4D] cotangent
+    in a slow loop). Specs it does not cover keep the plain einsum and its autodiff.
     """
-    if jnp.dtype(dtype) != jnp.float32 and _dense_plan(spec) is not None:
-        return _dense_lowp(x, w, spec, jnp.dtype(dtype))
+    if _dense_plan(spec) is not None:
+        return _dense_vjp(x, w, spec, jnp.dtype(dtype))
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
 
 
@@ -115,11 +116,11 @@ def _mm(a, b, spec):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dense_lowp(x, w, spec, dtype):
-    return _dense_lowp_fwd(x, w, spec, dtype)[0]
+def _dense_vjp(x, w, spec, dtype):
+    return _dense_vjp_fwd(x, w, spec, dtype)[0]
 
 
-def _dense_lowp_fwd(x, w, spec, dtype):
+def _dense_vjp_fwd(x, w, spec, dtype):
     p = _dense_plan(spec)
     n_free = len(p.x_free)
     x_MK = x.astype(dtype).reshape(math.prod(x.shape[:n_free]), -1)
@@ -131,7 +132,7 @@ def _dense_lowp_fwd(x, w, spec, dtype):
     return y, (x_MK, w_KN, shapes)
 
 
-def _dense_lowp_bwd(spec, dtype, res, g):
+def _dense_vjp_bwd(spec, dtype, res, g):
     """dx = g @ w.T and dw = x.T @ g, both as `a @ b` / `a @ b.T` products in the compute dtype.
 
     The cotangent is rounded to the compute dtype (as it would be for a bf16 result). The weight
@@ -160,7 +161,7 @@ def _dense_lowp_bwd(spec, dtype, res, g):
     return dx, dw
 
 
-_dense_lowp.defvjp(_dense_lowp_fwd, _dense_lowp_bwd)
+_dense_vjp.defvjp(_dense_vjp_fwd, _dense_vjp_bwd)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5) -> jax.Array:
@@ -179,25 +180,30 @@ def drop_rate(rate: float) -> float:
     return min(round(rate * DROPOUT_LEVELS), DROPOUT_LEVELS - 1) / DROPOUT_LEVELS
 
 
-def keep_mask(key: jax.Array | None, rate: float, shape) -> jax.Array:
+def keep_mask(key: jax.Array | None, rate: float, shape, offset=None, full=None) -> jax.Array:
     """Dropout's keep mask (True with probability 1 - drop_rate(rate)); a scalar True without a
-    key or at rate 0.
+    key or at rate 0. With `offset` and `full`: the block of shape `shape` at `offset` of the mask
+    of shape `full` (equal to slicing that mask; the last offset a multiple of 4).
 
     `jax.random.bernoulli` (one threefry output word and a float conversion per element) made the
     masks, attention's [B, H, T, T] above all, the largest cost of a CPU step with dropout. Here
     each threefry hash gives two 32-bit words, i.e. four 16-bit uniforms: 7x cheaper. Its counters
-    are (row, column) iotas of the mask's own shape, so, as with jax's partitionable threefry, a
+    are (row, column) iotas of the full mask's indices, so, as with jax's partitionable threefry, a
     sharded mask is computed shard by shard and equals the unsharded one (`lax.rng_bit_generator`
     is faster than `jax.random.bits` too, but XLA runs it whole on every device).
     """
     if key is None or rate == 0.0:
         return jnp.ones((), bool)
+    full = tuple(shape) if full is None else tuple(full)
+    offset = (0,) * len(shape) if offset is None else tuple(offset)
+    assert offset[-1] % 4 == 0, offset
     *lead, n = shape
-    full = (*lead, (n + 3) // 4)
-    row = jnp.zeros(full, jnp.uint32)  # the flat index of the leading axes
-    for axis, size in enumerate(lead):
-        row = row * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, full, axis)
-    col = jax.lax.broadcasted_iota(jnp.uint32, full, len(lead))
+    words_shape = (*lead, (n + 3) // 4)
+    iota = lambda axis: jax.lax.broadcasted_iota(jnp.uint32, words_shape, axis)
+    row = jnp.zeros(words_shape, jnp.uint32)  # the flat index of the leading axes in `full`
+    for axis in range(len(lead)):
+        row = row * jnp.uint32(full[axis]) + iota(axis) + jnp.uint32(offset[axis])
+    col = iota(len(lead)) + jnp.uint32(offset[-1] // 4)
     k = jax.random.bits(key, (2,), jnp.uint32)
     words = jnp.stack(threefry2x32_p.bind(k[0], k[1], row, col), axis=-1)
     u16 = jax.lax.bitcast_convert_type(words, jnp.uint16).reshape(*lead, -1)[..., :n]
@@ -242,47 +248,76 @@ def _swap_last(a: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2).reshape(-1)).reshape(*lead, N, M)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def attention_lowp(q_BTHK, k_BTHK, v_BTHK, keep_BHTS, rate: float) -> jax.Array:
-    """Causal training attention (with dropout) whose backward matmuls stay in the compute dtype.
+ATTENTION_BLOCK = 64  # query rows per block of `attention_blocked` (64 beat 32 and 128 on CPU)
 
-    The same function as `attention_einsum` with a causal mask and the dropout mask `keep_BHTS`
-    (bool; a scalar True when rate is 0). Under plain autodiff the backward dots get float32
-    cotangents and two of them (dV = P.T @ dO, dK = dS.T @ Q) contract over the query axis, the
-    layout the CPU's fast bf16 kernel lacks; here every dot is an `a @ b` or `a @ b.T` product in
-    q's dtype, with physically transposed P and dS where needed. Only used without a KV cache.
+
+def causal_blocks(T: int, block: int = ATTENTION_BLOCK) -> list[tuple[int, int]]:
+    """Query blocks [t0, t1) of at most `block` rows; block i attends to keys [0, t1) only."""
+    return [(t0, min(t0 + block, T)) for t0 in range(0, T, block)]
+
+
+def attention_keep_masks(key: jax.Array | None, rate: float, B: int, H: int, T: int,
+                         block: int = ATTENTION_BLOCK) -> tuple[jax.Array, ...]:
+    """The attention dropout mask [B, H, T, T] as `attention_blocked` takes it: one [B, H, t, t1]
+    mask per query block (blocks of the full mask; the skipped upper blocks are never drawn)."""
+    return tuple(keep_mask(key, rate, (B, H, t1 - t0, t1), (0, 0, t0, 0), (B, H, T, T))
+                 for t0, t1 in causal_blocks(T, block))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def attention_blocked(q_BTHK, k_BTHK, v_BTHK, keep_blocks, rate: float,
+                      block: int = ATTENTION_BLOCK) -> jax.Array:
+    """Causal training attention (with dropout) in query blocks, with a hand-written backward.
+
+    The same function as `attention_einsum` with a causal mask and the dropout mask in
+    `keep_blocks` (from `attention_keep_masks`; scalar Trues when rate is 0). Queries go in blocks
+    of `block` rows, each against only the keys up to its last row: the fully masked upper blocks
+    of the score matrix are skipped (3/8 of it at T = 4 * block), as flash attention does. Under
+    plain autodiff the backward dots of a bf16 model get float32 cotangents and two of them
+    (dV = P.T @ dO, dK = dS.T @ Q) contract over the query axis, the layout the CPU's fast bf16
+    kernel lacks; here every dot is an `a @ b` or `a @ b.T` product in q's dtype, with physically
+    transposed P and dS where needed, and softmax stays float32. Only used without a KV cache.
     """
-    return _attention_lowp_fwd(q_BTHK, k_BTHK, v_BTHK, keep_BHTS, rate)[0]
+    return _attention_blocked_fwd(q_BTHK, k_BTHK, v_BTHK, keep_blocks, rate, block)[0]
 
 
-def _attention_lowp_fwd(q_BTHK, k_BTHK, v_BTHK, keep_BHTS, rate):
+def _attention_blocked_fwd(q_BTHK, k_BTHK, v_BTHK, keep_blocks, rate, block):
     T, K = q_BTHK.shape[1], q_BTHK.shape[3]
     q_BHTK, k_BHSK, v_BHSK = (jnp.swapaxes(a, 1, 2) for a in (q_BTHK, k_BTHK, v_BTHK))
-    s_BHTS = _mm(q_BHTK, k_BHSK, "bhtk,bhsk->bhts") * (1.0 / math.sqrt(K))
-    p_BHTS = jax.nn.softmax(jnp.where(causal_mask(T)[None], s_BHTS, NEG_INF), axis=-1)
-    pd_BHTS = _scale_kept(p_BHTS, keep_BHTS, rate)
-    o_BHTK = _mm(pd_BHTS.astype(q_BTHK.dtype), v_BHSK, "bhts,bhsk->bhtk")
-    return jnp.swapaxes(o_BHTK, 1, 2), (q_BHTK, k_BHSK, v_BHSK, keep_BHTS, p_BHTS)
+    o_blocks, p_blocks = [], []
+    for (t0, t1), keep_BHtS in zip(causal_blocks(T, block), keep_blocks, strict=True):
+        s_BHtS = _mm(q_BHTK[:, :, t0:t1], k_BHSK[:, :, :t1], "bhtk,bhsk->bhts") * (1.0 / math.sqrt(K))
+        causal_tS = jnp.arange(t0, t1)[:, None] >= jnp.arange(t1)[None, :]
+        p_BHtS = jax.nn.softmax(jnp.where(causal_tS, s_BHtS, NEG_INF), axis=-1)
+        pd_BHtS = _scale_kept(p_BHtS, keep_BHtS, rate)
+        o_blocks.append(_mm(pd_BHtS.astype(q_BTHK.dtype), v_BHSK[:, :, :t1], "bhts,bhsk->bhtk"))
+        p_blocks.append(p_BHtS)
+    o_BHTK = jnp.concatenate(o_blocks, axis=2)
+    return jnp.swapaxes(o_BHTK, 1, 2), (q_BHTK, k_BHSK, v_BHSK, keep_blocks, p_blocks)
 
 
-def _attention_lowp_bwd(rate, res, g_BTHK):
-    q_BHTK, k_BHSK, v_BHSK, keep_BHTS, p_BHTS = res
-    dtype, K = q_BHTK.dtype, q_BHTK.shape[-1]
+def _attention_blocked_bwd(rate, block, res, g_BTHK):
+    q_BHTK, k_BHSK, v_BHSK, keep_blocks, p_blocks = res
+    dtype, T, K = q_BHTK.dtype, q_BHTK.shape[2], q_BHTK.shape[-1]
     g_BHTK = jnp.swapaxes(g_BTHK, 1, 2).astype(dtype)
-    pd_BHTS = _scale_kept(p_BHTS, keep_BHTS, rate)
-    dv_BHSK = _mm(_swap_last(pd_BHTS.astype(dtype)), g_BHTK, "bhst,bhtk->bhsk")
-    dpd_BHTS = _mm(g_BHTK, v_BHSK, "bhtk,bhsk->bhts")
-    dp_BHTS = _scale_kept(dpd_BHTS, keep_BHTS, rate)
-    # Softmax backward in float32; masked positions have p = 0, so their gradient is 0.
-    ds_BHTS = (p_BHTS * (dp_BHTS - jnp.sum(dp_BHTS * p_BHTS, -1, keepdims=True))
-               * (1.0 / math.sqrt(K))).astype(dtype)
-    dq_BHTK = _mm(ds_BHTS, k_BHSK, "bhts,bhsk->bhtk")
-    dk_BHSK = _mm(_swap_last(ds_BHTS), q_BHTK, "bhst,bhtk->bhsk")
+    dq_blocks = []
+    dk_BHSK = dv_BHSK = jnp.zeros(k_BHSK.shape, jnp.float32)
+    for (t0, t1), keep, p_BHtS in zip(causal_blocks(T, block), keep_blocks, p_blocks):
+        g_BHtK, q_BHtK = g_BHTK[:, :, t0:t1], q_BHTK[:, :, t0:t1]
+        pd_BHtS = _scale_kept(p_BHtS, keep, rate)
+        dv_BHSK = dv_BHSK.at[:, :, :t1].add(
+            _mm(_swap_last(pd_BHtS.astype(dtype)), g_BHtK, "bhst,bhtk->bhsk"))
+        dp_BHtS = _scale_kept(_mm(g_BHtK, v_BHSK[:, :, :t1], "bhtk,bhsk->bhts"), keep, rate)
+        # Softmax backward in float32; masked positions have p = 0, so their gradient is 0.
+        ds_BHtS = (p_BHtS * (dp_BHtS - jnp.sum(dp_BHtS * p_BHtS, -1, keepdims=True))
+                   * (1.0 / math.sqrt(K))).astype(dtype)
+        dq_blocks.append(_mm(ds_BHtS, k_BHSK[:, :, :t1], "bhts,bhsk->bhtk"))
+        dk_BHSK = dk_BHSK.at[:, :, :t1].add(_mm(_swap_last(ds_BHtS), q_BHtK, "bhst,bhtk->bhsk"))
     back = lambda a: jnp.swapaxes(a, 1, 2).astype(dtype)
-    return back(dq_BHTK), back(dk_BHSK), back(dv_BHSK), None
+    return back(jnp.concatenate(dq_blocks, axis=2)), back(dk_BHSK), back(dv_BHSK), None
 
 
-attention_lowp.defvjp(_attention_lowp_fwd, _attention_lowp_bwd)
+attention_blocked.defvjp(_attention_blocked_fwd, _attention_blocked_bwd)
 
 
 def attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, implementation: str | None) -> jax.Array:
@@ -347,16 +382,16 @@ class Block(nnx.Module):
         else:
             cache, k_BSHK, v_BSHK, mask_BTS = _update_cache(cache, layer, k_BTHK, v_BTHK)
         train_dropout = key is not None and cfg.dropout > 0  # the fused kernels take no dropout
-        # bfloat16 without a cache takes the hand-written attention when there is dropout, and on
-        # CPU always (it beat jax.nn.dot_product_attention by 13% there; BENCHMARKS.md);
-        # --attention=einsum always runs the plain reference.
-        lowp = (cfg.attention != "einsum" and mask_BTS is None and jnp.dtype(dtype) != jnp.float32
-                and (train_dropout or (cfg.attention == "auto" and jax.default_backend() == "cpu")))
-        if lowp:
+        # Without a cache the blocked attention runs when there is dropout, and on CPU always (it
+        # beat jax.nn.dot_product_attention there; BENCHMARKS.md); --attention=einsum always runs
+        # the plain reference.
+        blocked = (cfg.attention != "einsum" and mask_BTS is None
+                   and (train_dropout or (cfg.attention == "auto" and jax.default_backend() == "cpu")))
+        if blocked:
             B, T = q_BTHK.shape[:2]
-            keep_BHTS = keep_mask(keys[0], cfg.dropout, (B, cfg.n_head, T, T))
-            rate = drop_rate(cfg.dropout) if keep_BHTS.ndim else 0.0
-            y_BTHK = attention_lowp(q_BTHK, k_BSHK, v_BSHK, keep_BHTS, rate)
+            keep = attention_keep_masks(keys[0], cfg.dropout, B, cfg.n_head, T, ATTENTION_BLOCK)
+            rate = drop_rate(cfg.dropout) if keep[0].ndim else 0.0
+            y_BTHK = attention_blocked(q_BTHK, k_BSHK, v_BSHK, keep, rate, ATTENTION_BLOCK)
         elif cfg.attention == "einsum" or train_dropout:
             T = q_BTHK.shape[1]
             mask = causal_mask(T) if mask_BTS is None else mask_BTS

@@ -61,7 +61,7 @@ def test_invalid_values_name_the_field(argv, field):
 
 def test_config_files_toml_and_json(tmp_path):
     toml = tmp_path / "run.toml"
-    toml.write_text('n_layer = 3\n[train]\nbatch_size = 5\nlearning_rate = 3e-4\n')
+    toml.write_text('n_layer = 3\n[train]\nbatch_size = 5\nlearning_rate = 3e-4\nmin_lr = 3e-5\n')
     m, t, _ = parse([f"--config={toml}", "--batch_size=7"])
     assert m.n_layer == 3 and t.batch_size == 7 and t.learning_rate == 3e-4  # command line wins
     js = tmp_path / "run.json"

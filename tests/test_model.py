@@ -72,19 +72,25 @@ def test_dropout_mask_rate_and_scale(rate):
     assert M.keep_mask(None, rate, (4,)).ndim == 0 and M.keep_mask(key, 0.0, (4,)).ndim == 0
 
 
+@pytest.mark.parametrize("block", [M.ATTENTION_BLOCK, 8, 5])
 @pytest.mark.parametrize("rate", [0.0, 0.3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_lowp_attention_matches_einsum(rate, dtype):
+def test_blocked_attention_matches_einsum(rate, dtype, block):
     """The hand-written attention backward (bf16 training path) against autodiff of the reference,
-    with the same dropout mask: equal forward, gradients equal up to bf16 rounding."""
+    with the same dropout mask: equal forward, gradients equal up to bf16 rounding; in one query
+    block and in several (the causal blocks skipped), including a ragged last block."""
     B, T, H, K = 2, 16, 2, 8
     ks = jax.random.split(jax.random.key(0), 5)
     q, k, v = (jax.random.normal(ks[i], (B, T, H, K)) for i in range(3))
     key = ks[3] if rate else None
-    keep = M.keep_mask(key, rate, (B, H, T, T))
+    keep = M.attention_keep_masks(key, rate, B, H, T, block)
+    full = M.keep_mask(key, rate, (B, H, T, T))
+    for (t0, t1), blk in zip(M.causal_blocks(T, block), keep, strict=True):  # the full mask's blocks
+        assert bool(jnp.all(blk == (full[:, :, t0:t1, :t1] if full.ndim else full)))
     dt = jnp.dtype(dtype)
     cast = lambda *a: [x.astype(dt) for x in a]
-    y1, vjp1 = jax.vjp(lambda *a: M.attention_lowp(*cast(*a), keep, M.drop_rate(rate)), q, k, v)
+    y1, vjp1 = jax.vjp(lambda *a: M.attention_blocked(*cast(*a), keep, M.drop_rate(rate), block),
+                       q, k, v)
     y2, vjp2 = jax.vjp(lambda *a: M.attention_einsum(*cast(*a), M.causal_mask(T), rate, key), q, k, v)
     np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), atol=1e-6)
     g = jax.random.normal(ks[4], y1.shape)
@@ -93,9 +99,11 @@ def test_lowp_attention_matches_einsum(rate, dtype):
         assert err < (1e-5 if dtype == "float32" else 2e-2), err
 
 
-def test_lowp_attention_is_the_bf16_training_path():
-    """A bfloat16 model with dropout trains through `attention_lowp`; its loss gradient matches the
-    float32 model's to bf16 accuracy."""
+def test_blocked_attention_is_the_training_path(monkeypatch):
+    """A model with dropout trains through `attention_blocked` in either dtype (`--attention=einsum`
+    keeps the reference); its loss gradient matches the reference's: to float32 rounding in
+    float32, to bf16 accuracy in bfloat16 (with two query blocks)."""
+    monkeypatch.setattr(M, "ATTENTION_BLOCK", 8)
     cfg = tiny_model_config(dropout=0.1)
     model = make(cfg)
     gd, params = nnx.split(model)
@@ -107,12 +115,13 @@ def test_lowp_attention_is_the_bf16_training_path():
         logits, _ = m(x, dropout_key=jax.random.key(3))
         return jnp.mean(jax.nn.logsumexp(logits, -1))
 
-    uses_lowp = lambda *a: "name=attention_lowp" in str(jax.make_jaxpr(lambda p: loss(p, *a))(params))
-    assert uses_lowp("bfloat16") and uses_lowp("bfloat16", "xla")
-    assert not uses_lowp("float32") and not uses_lowp("bfloat16", "einsum")  # einsum: the reference
-    g16, g32 = jax.grad(loss)(params, "bfloat16"), jax.grad(loss)(params, "float32")
-    for a, b in zip(jax.tree.leaves(g16), jax.tree.leaves(g32)):
-        assert float(jnp.max(jnp.abs(a - b))) / (float(jnp.max(jnp.abs(b))) or 1.0) < 5e-2
+    uses = lambda *a: "name=attention_blocked" in str(jax.make_jaxpr(lambda p: loss(p, *a))(params))
+    assert uses("bfloat16") and uses("float32") and uses("bfloat16", "xla")
+    assert not uses("float32", "einsum") and not uses("bfloat16", "einsum")
+    ref = jax.grad(loss)(params, "float32", "einsum")
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 5e-2)):
+        for a, b in zip(jax.tree.leaves(jax.grad(loss)(params, dtype)), jax.tree.leaves(ref)):
+            assert float(jnp.max(jnp.abs(a - b))) / (float(jnp.max(jnp.abs(b))) or 1.0) < tol
 
 
 def test_einsum_reference_matches_dot_product_attention():
