@@ -114,7 +114,7 @@ _GPT2_TRAIN = dict(
     eval_interval=1000, eval_iters=200, log_interval=10,
 )
 PRESETS: dict[str, dict[str, Any]] = {
-    # nanoGPT's CPU example (its README, "I only have a MacBook"): minutes on a 2-core CPU. Its
+    # nanoGPT's CPU example (its README, "I only have a MacBook"): a minute on a 2-core CPU. Its
     # learning rate, 1e-3 (from the baby GPT's config), is too low for this small model and short
     # run: 4e-3 trains to val loss 1.77 instead of 1.90 (BENCHMARKS.md; --learning_rate=1e-3
     # --min_lr=1e-4 gives nanoGPT's exact recipe).

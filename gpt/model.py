@@ -63,8 +63,8 @@ def dense(x: jax.Array, w: jax.Array, spec: str, dtype) -> jax.Array:
     It runs through `_dense_vjp`, whose custom VJP keeps the backward matmuls in the compute dtype
     (plain autodiff would run a bf16 model's in float32, the cotangent's dtype) and, on CPU, in
     the layouts the fast kernels take (see there); in float32 that alone made a shakespeare-char
-    step 1.36x faster (XLA's own layout for the weight gradient transposed a [B*T, 4D] cotangent
-    in a slow loop). Specs it does not cover keep the plain einsum and its autodiff.
+    step 1.2-1.4x faster on CPU (XLA's own layout for the weight gradient transposed a [B*T, 4D]
+    cotangent in a slow loop; BENCHMARKS.md). Specs it does not cover keep the plain einsum and its autodiff.
     """
     if _dense_plan(spec) is not None:
         return _dense_vjp(x, w, spec, jnp.dtype(dtype))
@@ -100,6 +100,13 @@ def _dense_plan(spec: str) -> _Plan | None:
     return _Plan(x_free, contract, w_free, tuple(ws.index(c) for c in contract + w_free))
 
 
+def _cpu_layouts() -> bool:
+    """Whether to force the layouts the CPU's fast matmuls take (flattened operands, physical
+    transposes). GPU/TPU matmuls take any layout, and there the original axes keep their sharding
+    (flattening [D, 3, H, K] would make XLA gather a head-sharded weight)."""
+    return jax.default_backend() == "cpu"
+
+
 def _physical_transpose(a_MK: jax.Array) -> jax.Array:
     """a.T materialised in row-major order.
 
@@ -121,42 +128,49 @@ def _dense_vjp(x, w, spec, dtype):
 
 
 def _dense_vjp_fwd(x, w, spec, dtype):
+    # Zero-size arrays carry the primal shapes and dtypes to the backward pass for free.
+    shapes = (jnp.zeros((*x.shape, 0), x.dtype), jnp.zeros((*w.shape, 0), w.dtype))
+    x, w = x.astype(dtype), w.astype(dtype)
+    if not _cpu_layouts():
+        return _mm(x, w, spec), (x, w, shapes)
     p = _dense_plan(spec)
     n_free = len(p.x_free)
-    x_MK = x.astype(dtype).reshape(math.prod(x.shape[:n_free]), -1)
-    w_t = jnp.transpose(w.astype(dtype), p.w_perm)  # weight-sized; the identity for most specs
+    x_MK = x.reshape(math.prod(x.shape[:n_free]), -1)
+    w_t = jnp.transpose(w, p.w_perm)  # weight-sized; the identity for most specs
     w_KN = w_t.reshape(x_MK.shape[1], -1)
     y = _mm(x_MK, w_KN, "mk,kn->mn").reshape(*x.shape[:n_free], *w_t.shape[len(p.contract):])
-    # Zero-size arrays carry the primal shapes and dtypes to the backward pass for free.
-    shapes = (jnp.zeros((*x.shape, 0), x.dtype), jnp.zeros((*w_t.shape, 0), w.dtype))
     return y, (x_MK, w_KN, shapes)
 
 
 def _dense_vjp_bwd(spec, dtype, res, g):
-    """dx = g @ w.T and dw = x.T @ g, both as `a @ b` / `a @ b.T` products in the compute dtype.
+    """dx = g @ w.T and dw = x.T @ g in the compute dtype; on CPU as `a @ b` / `a @ b.T` products.
 
     The cotangent is rounded to the compute dtype (as it would be for a bf16 result). The weight
-    gradient contracts over the M = B*T rows of both operands, the layout the fast kernels lack; it
-    is computed from a physically transposed copy of the narrower of x and g (an [M, min(K, N)]
-    copy, cheap next to the 2*M*K*N FLOP product), and a weight-sized result is transposed back.
+    gradient contracts over the M = B*T rows of both operands, the layout the CPU's fast kernels
+    lack; there it is computed from a physically transposed copy of the narrower of x and g (an
+    [M, min(K, N)] copy, cheap next to the 2*M*K*N FLOP product), and a weight-sized result is
+    transposed back.
     """
+    x_res, w_res, (x_shape, w_shape) = res
+    g = g.astype(dtype)
+    if not _cpu_layouts():
+        xs, ws, out = spec.replace(" ", "").replace("->", ",").split(",")
+        dx, dw = _mm(g, w_res, f"{out},{ws}->{xs}"), _mm(x_res, g, f"{xs},{out}->{ws}")
+        return dx.astype(x_shape.dtype), dw.astype(w_shape.dtype)
     p = _dense_plan(spec)
-    x_MK, w_KN, (x_shape, w_shape) = res
-    M, K = x_MK.shape
-    N = w_KN.shape[1]
-    g_MN = g.reshape(M, N).astype(dtype)
-    dx_MK = _mm(g_MN, w_KN, "mn,kn->mk")
+    (M, K), N = x_res.shape, w_res.shape[1]
+    g_MN = g.reshape(M, N)
+    dx_MK = _mm(g_MN, w_res, "mn,kn->mk")
     # The barriers keep XLA from folding the transposes that follow into the dot by swapping its
     # operands, which would bring back the slow layout (and XLA:CPU's fallback dot has no
     # bf16 x bf16 -> f32 kernel: it fails at run time).
-    if jax.default_backend() != "cpu":  # GPU/TPU matmuls take any layout: no copies, no barriers
-        dw_KN = _mm(x_MK, g_MN, "mk,mn->kn")
-    elif K <= N:
-        dw_KN = jax.lax.optimization_barrier(_mm(_physical_transpose(x_MK), g_MN, "km,mn->kn"))
+    if K <= N:
+        dw_KN = jax.lax.optimization_barrier(_mm(_physical_transpose(x_res), g_MN, "km,mn->kn"))
     else:
-        dw_KN = jax.lax.optimization_barrier(_mm(_physical_transpose(g_MN), x_MK, "nm,mk->nk")).T
+        dw_KN = jax.lax.optimization_barrier(_mm(_physical_transpose(g_MN), x_res, "nm,mk->nk")).T
+    w_t_shape = tuple(w_shape.shape[i] for i in p.w_perm)
     inv = tuple(p.w_perm.index(i) for i in range(len(p.w_perm)))
-    dw = jnp.transpose(dw_KN.reshape(w_shape.shape[:-1]), inv).astype(w_shape.dtype)
+    dw = jnp.transpose(dw_KN.reshape(w_t_shape), inv).astype(w_shape.dtype)
     dx = dx_MK.reshape(x_shape.shape[:-1]).astype(x_shape.dtype)
     return dx, dw
 
@@ -196,7 +210,7 @@ def keep_mask(key: jax.Array | None, rate: float, shape, offset=None, full=None)
         return jnp.ones((), bool)
     full = tuple(shape) if full is None else tuple(full)
     offset = (0,) * len(shape) if offset is None else tuple(offset)
-    assert offset[-1] % 4 == 0, offset
+    assert offset[-1] % 4 == 0 and all(o + n <= f for o, n, f in zip(offset, shape, full)), offset
     *lead, n = shape
     words_shape = (*lead, (n + 3) // 4)
     iota = lambda axis: jax.lax.broadcasted_iota(jnp.uint32, words_shape, axis)
@@ -241,11 +255,13 @@ def attention_einsum(q_BTHK, k_BSHK, v_BSHK, mask_BTS, rate: float = 0.0, key=No
 
 
 def _swap_last(a: jax.Array) -> jax.Array:
-    """Swap the last two axes; on CPU materialised (see `_physical_transpose`)."""
-    if jax.default_backend() != "cpu":
+    """Swap the last two axes; on CPU materialised (see `_physical_transpose`). The leading axes
+    stay separate, so their sharding (batch, heads) survives."""
+    if not _cpu_layouts():
         return jnp.swapaxes(a, -1, -2)
     *lead, M, N = a.shape
-    return jax.lax.optimization_barrier(jnp.swapaxes(a, -1, -2).reshape(-1)).reshape(*lead, N, M)
+    return jax.lax.optimization_barrier(
+        jnp.swapaxes(a, -1, -2).reshape(*lead, N * M)).reshape(*lead, N, M)
 
 
 ATTENTION_BLOCK = 64  # query rows per block of `attention_blocked` (64 beat 32 and 128 on CPU)

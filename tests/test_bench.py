@@ -51,9 +51,11 @@ SPECS = [("btd,dchk->btchk", (2, 5, 16), (16, 3, 2, 8)),
          ("btd,vd->btv", (2, 5, 16), (128, 16))]
 
 
+@pytest.mark.parametrize("cpu_layouts", [True, False])  # False: the GPU/TPU form, on the CPU
 @pytest.mark.parametrize("spec,xs,ws", SPECS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_custom_vjp_dense_matches_einsum(spec, xs, ws, dtype):
+def test_custom_vjp_dense_matches_einsum(spec, xs, ws, dtype, cpu_layouts, monkeypatch):
+    monkeypatch.setattr(M, "_cpu_layouts", lambda: cpu_layouts)
     assert M._dense_plan(spec) is not None
     dt = jnp.dtype(dtype)
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)

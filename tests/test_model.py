@@ -72,13 +72,15 @@ def test_dropout_mask_rate_and_scale(rate):
     assert M.keep_mask(None, rate, (4,)).ndim == 0 and M.keep_mask(key, 0.0, (4,)).ndim == 0
 
 
+@pytest.mark.parametrize("cpu_layouts", [True, False])  # False: the GPU/TPU form, on the CPU
 @pytest.mark.parametrize("block", [M.ATTENTION_BLOCK, 8, 5])
 @pytest.mark.parametrize("rate", [0.0, 0.3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_blocked_attention_matches_einsum(rate, dtype, block):
-    """The hand-written attention backward (bf16 training path) against autodiff of the reference,
+def test_blocked_attention_matches_einsum(rate, dtype, block, cpu_layouts, monkeypatch):
+    """The hand-written attention backward (the training path) against autodiff of the reference,
     with the same dropout mask: equal forward, gradients equal up to bf16 rounding; in one query
     block and in several (the causal blocks skipped), including a ragged last block."""
+    monkeypatch.setattr(M, "_cpu_layouts", lambda: cpu_layouts)
     B, T, H, K = 2, 16, 2, 8
     ks = jax.random.split(jax.random.key(0), 5)
     q, k, v = (jax.random.normal(ks[i], (B, T, H, K)) for i in range(3))

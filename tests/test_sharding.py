@@ -362,6 +362,44 @@ def test_dropout_masks_are_mesh_independent_and_drawn_per_shard():
     assert leading == {(4, 3)}, out["u32_shapes"]  # per-device [B/2, H/2, ...] only
 
 
+_GATHER_SCRIPT = """
+import json
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import gpt.model as M
+from gpt.sharding import make_mesh
+mesh = make_mesh("data:2,tensor:2")
+put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+x = put(jnp.ones((4, 8, 16)), "data")
+w = put(jnp.ones((16, 3, 2, 8)), None, None, "tensor")  # heads over `tensor`
+q = put(jnp.ones((4, 32, 2, 8)), "data", None, "tensor")
+keep = M.attention_keep_masks(jax.random.key(0), 0.1, 4, 2, 32, 8)
+gathers = lambda f, *a: jax.jit(f).lower(*a).compile().as_text().count("all-gather(")
+out = {}
+for cpu in (True, False):  # new functions each time: jit would reuse the first trace
+    M._cpu_layouts = lambda: cpu
+    dense = jax.grad(lambda x, w: M.dense(x, w, "btd,dchk->btchk", jnp.bfloat16).sum(), (0, 1))
+    attn = jax.grad(lambda q: M.attention_blocked(q, q, q, keep, M.drop_rate(0.1), 8).sum())
+    out[str(cpu)] = {"dense": gathers(dense, x, w), "attention": gathers(attn, q)}
+print(json.dumps(out))
+"""
+
+
+def test_head_sharded_dense_and_attention_do_not_gather():
+    """With heads sharded over `tensor`, the GPU/TPU form of `dense` keeps the weight's axes (no
+    all-gather of w_qkv), and the blocked attention's transposes keep batch and head sharding in
+    either form. (The CPU form of `dense` flattens [D, 3, H, K] and does gather: a CPU-only trade
+    for its fast layouts.)"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _GATHER_SCRIPT], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["False"] == {"dense": 0, "attention": 0}, out
+    assert out["True"]["attention"] == 0, out
+
+
 # ----------------------------------------------------------------------------- bad input (train.py)
 
 
