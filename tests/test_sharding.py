@@ -331,6 +331,16 @@ def test_losses_match_one_device_other_meshes(char_data, reference, tmp_path):
 
 # ----------------------------------------------------------------------------- dropout masks
 
+def _run_on_4_cpu_devices(script: str) -> dict:
+    """Run a script in a fresh 4-CPU-device process; return the JSON on its last output line."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 _MASK_SCRIPT = """
 import json, re, sys
 import jax, jax.numpy as jnp, numpy as np
@@ -351,12 +361,7 @@ print(json.dumps({"equal": bool((np.asarray(g(key)) == ref).all()), "kept": floa
 def test_dropout_masks_are_mesh_independent_and_drawn_per_shard():
     """The same key gives the same mask on a 2x2 mesh, and each device hashes only its shard (no
     device generates the global [B, H, ...] words)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", _MASK_SCRIPT], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _run_on_4_cpu_devices(_MASK_SCRIPT)
     assert out["equal"] and abs(out["kept"] - 0.8) < 0.01
     leading = {tuple(int(d) for d in s.split(",")[:2]) for s in out["u32_shapes"] if s.count(",") >= 3}
     assert leading == {(4, 3)}, out["u32_shapes"]  # per-device [B/2, H/2, ...] only
@@ -390,12 +395,7 @@ def test_head_sharded_dense_and_attention_do_not_gather():
     all-gather of w_qkv), and the blocked attention's transposes keep batch and head sharding in
     either form. (The CPU form of `dense` flattens [D, 3, H, K] and does gather: a CPU-only trade
     for its fast layouts.)"""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", _GATHER_SCRIPT], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = _run_on_4_cpu_devices(_GATHER_SCRIPT)
     assert out["False"] == {"dense": 0, "attention": 0}, out
     assert out["True"]["attention"] == 0, out
 
