@@ -59,6 +59,14 @@ def test_invalid_values_name_the_field(argv, field):
         parse(argv)
 
 
+def test_learning_rate_below_the_presets_min_lr_suggests_one():
+    """The default preset's min_lr is 4e-4: a lower --learning_rate alone says what to add."""
+    with pytest.raises(UserError, match=r"--min_lr=0.0004 must not exceed --learning_rate=0.0001.*"
+                                        r"--min_lr=1e-05"):
+        parse(["--learning_rate=1e-4"])
+    assert parse(["--learning_rate=1e-4", "--min_lr=1e-5"])[1].min_lr == 1e-5
+
+
 def test_config_files_toml_and_json(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('n_layer = 3\n[train]\nbatch_size = 5\nlearning_rate = 3e-4\nmin_lr = 3e-5\n')
