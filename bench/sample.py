@@ -3,6 +3,7 @@
     python bench/sample.py [--configs=tiny,shakespeare-char,gpt2] [--batches=1,16]
                            [--prompt_len=16] [--new_tokens=256] [--baseline_tokens=N]
                            [--baseline_batches=1] [--dtype=auto] [--reps=3] [--baseline_reps=1]
+                           [--weights=compute|float32]
 
 Models are randomly initialised (vocabulary 65 for the char configs, 50257 for gpt2). For each
 config and batch size it reports the prefill time (the prompt through the model, filling the cache),
@@ -13,6 +14,11 @@ rate). Compile time is excluded everywhere: each function runs once to warm up, 
 (median). The baseline decodes --baseline_tokens tokens (default: --new_tokens) after a warm-up run
 over the same lengths, so every context-length bucket it compiles is compiled before it is timed.
 Both paths sample with temperature 1 and top-k 200, so they do the same per-token work.
+--weights=compute casts the parameters to the compute dtype once (what a bf16 decode should read per
+token); float32 keeps them as trained. Each row also gives the memory-bandwidth bound of a decode
+step (the bytes it must read: the weights as held plus the keys/values written so far, at the
+average context of the run, over the copy bandwidth measured in the same run) and the fraction of
+it reached (`bw_util`): batch-1 decoding is bound by reading the weights, not by FLOPs.
 The last line printed is one JSON object.
 """
 from __future__ import annotations
@@ -63,6 +69,11 @@ def bench_config(name: str, args) -> list[dict]:
     cfg = model_config(name, args.dtype)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     gd, params = nnx.split(model)
+    dtype = compute_dtype(cfg)
+    if args.weights == "compute":
+        params = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
+                              else p, params)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     s = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0, top_k=200)
     P, N = args.prompt_len, args.new_tokens
     pf = jax.jit(lambda params, prompt, start, key: prefill(nnx.merge(gd, params), prompt, start,
@@ -79,7 +90,9 @@ def bench_config(name: str, args) -> list[dict]:
                "new_tokens": N, "dtype": jnp.dtype(compute_dtype(cfg)).name,
                "prefill_ms": 1e3 * t_pf, "decode_sec": t_dec,
                "decode_tokens_per_sec": B * N / t_dec, "ms_per_step": 1e3 * t_dec / N,
-               "baseline_tokens_per_sec": None, "speedup": None}
+               "baseline_tokens_per_sec": None, "speedup": None, "weights": args.weights,
+               **bandwidth_bound(cfg, B, P + N / 2, weight_bytes, jnp.dtype(dtype).itemsize,
+                                 args.copy_gbps, t_dec / N)}
         if B in args.baseline_batches:
             nb = args.baseline_tokens or N
             sb = SamplingSettings(max_new_tokens=nb, temperature=1.0, top_k=200)
@@ -94,8 +107,18 @@ def bench_config(name: str, args) -> list[dict]:
         base = (f"{row['baseline_tokens_per_sec']:>10.1f} {row['speedup']:>8.1f}x"
                 if row["speedup"] else f"{'-':>10} {'-':>9}")
         print(f"{name:<17} {B:>5} {row['prefill_ms']:>11.1f} {row['decode_tokens_per_sec']:>12.1f} "
-              f"{row['ms_per_step']:>9.2f} {base}", flush=True)
+              f"{row['ms_per_step']:>9.2f} {base} {100 * row['bw_util']:>8.0f}%", flush=True)
     return rows
+
+
+def bandwidth_bound(cfg: ModelConfig, B: int, context: float, weight_bytes: int, itemsize: int,
+                    copy_gbps: float, step_sec: float) -> dict:
+    """Bytes a decode step must read (weights + this context's keys/values) and the time that
+    takes at the measured bandwidth, against the measured step time."""
+    kv_bytes = 2 * cfg.n_layer * B * context * cfg.n_embd * itemsize
+    bound_sec = (weight_bytes + kv_bytes) / (copy_gbps * 1e9)
+    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "copy_gbps": copy_gbps,
+            "bound_ms": 1e3 * bound_sec, "bw_util": bound_sec / step_sec}
 
 
 def enable_compile_cache() -> str:
@@ -126,6 +149,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--baseline_reps", type=int, default=1, help="timed baseline runs (slow)")
+    ap.add_argument("--weights", default="compute", choices=("compute", "float32"),
+                    help="parameters as held while decoding: cast to the compute dtype, or float32")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.baseline_batches = [int(b) for b in args.baseline_batches.split(",") if b]
@@ -135,15 +160,18 @@ def main(argv: list[str]) -> int:
             ap.error(f"unknown config {c!r} (choose from {', '.join(PRESETS)})")
     cache_dir = enable_compile_cache()
     device = metrics_lib.device_name()
+    args.copy_gbps = metrics_lib.measure_copy_gbps()
     print(f"device: {device}; jax {jax.__version__}; prompt {args.prompt_len} tokens, "
-          f"{args.new_tokens} new tokens")
+          f"{args.new_tokens} new tokens; weights {args.weights}; measured copy bandwidth "
+          f"{args.copy_gbps:,.0f} GB/s")
     print(f"{'config':<17} {'batch':>5} {'prefill ms':>11} {'cached tok/s':>12} {'ms/step':>9} "
-          f"{'nocache t/s':>10} {'speedup':>9}")
+          f"{'nocache t/s':>10} {'speedup':>9} {'bw bound':>9}")
     rows = []
     for c in configs:
         rows += bench_config(c, args)
     print(json.dumps({"device": device, "jax": jax.__version__, "prompt_len": args.prompt_len,
-                      "new_tokens": args.new_tokens, "results": rows}))
+                      "new_tokens": args.new_tokens, "weights": args.weights,
+                      "copy_gbps": args.copy_gbps, "results": rows}))
     import shutil
     shutil.rmtree(cache_dir, ignore_errors=True)
     return 0

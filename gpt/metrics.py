@@ -67,6 +67,23 @@ def measure_matmul_tflops(dtype, n: int | None = None, reps: int = 10) -> float:
     return 2 * n**3 / best / 1e12
 
 
+def measure_copy_gbps(n_bytes: int | None = None, reps: int = 10) -> float:
+    """Best achieved memory bandwidth (GB/s, bytes read + bytes written) of an elementwise pass
+    over a float32 array on one device: the ceiling that memory-bound work such as batch-1 decoding
+    is held to. 1 GiB on accelerators (far past any cache), 256 MiB on CPU."""
+    if n_bytes is None:
+        n_bytes = (256 << 20) if jax.default_backend() == "cpu" else (1 << 30)
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x * 1.0001)  # a real pass: XLA cannot elide a scaling
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n_bytes / best / 1e9
+
+
 class Throughput:
     """Tokens/s, achieved TFLOP/s and MFU from a FLOPs-per-token figure and measured ceilings."""
 

@@ -350,6 +350,21 @@ def attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, implementation: str | None
     return out.astype(jnp.float32)
 
 
+def fused_implementation(choice: str, causal: bool, dtype, head_dim: int, backend: str) -> str:
+    """`jax.nn.dot_product_attention`'s implementation for --attention=auto|xla|cudnn.
+
+    Left to itself (`implementation=None`) JAX picks XLA, which materialises the [B, H, T, T]
+    scores and softmax; on a GPU that was 40% of a GPT-2 training step (BENCHMARKS.md). So `auto`
+    takes cuDNN's flash attention where it applies (the causal training path in a 16-bit dtype,
+    head dim a multiple of 8 up to 128) and XLA elsewhere.
+    """
+    if choice != "auto":
+        return choice
+    cudnn_ok = (backend == "gpu" and causal and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+                and head_dim % 8 == 0 and head_dim <= 128)
+    return "cudnn" if cudnn_ok else "xla"
+
+
 def causal_mask(T: int) -> jax.Array:
     return jnp.tril(jnp.ones((T, T), bool))[None]
 
@@ -413,7 +428,8 @@ class Block(nnx.Module):
             mask = causal_mask(T) if mask_BTS is None else mask_BTS
             y_BTHK = attention_einsum(q_BTHK, k_BSHK, v_BSHK, mask, cfg.dropout, keys[0])
         else:
-            impl = {"auto": None, "xla": "xla", "cudnn": "cudnn"}[cfg.attention]
+            impl = fused_implementation(cfg.attention, mask_BTS is None, q_BTHK.dtype, cfg.head_dim,
+                                        jax.default_backend())
             y_BTHK = attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl)
         attn_BTD = dense(y_BTHK, self.w_o[...], "bthk,hkd->btd", dtype) + bias(self.b_o)
         x_BTD = x_BTD + dropout(attn_BTD, cfg.dropout, keys[1])
@@ -472,7 +488,9 @@ class GPT(nnx.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
         else:
             positions_BT = jnp.maximum(cache.index + jnp.arange(T)[None] - cache.start_B[:, None], 0)
-        x_BTD = self.wte[...][idx_BT]
+        # The residual stream is float32 whatever dtype the weights are held in (sampling may
+        # hold them in the compute dtype).
+        x_BTD = self.wte[...][idx_BT].astype(jnp.float32)
         if self.wpe is not None:
             x_BTD = x_BTD + self.wpe[...][positions_BT]
         else:

@@ -105,3 +105,30 @@ def test_dense_dispatch_and_grad_through_model(dtype, tol):
     for a, b in zip(jax.tree.leaves(g_custom), jax.tree.leaves(g_ref)):
         scale = float(jnp.max(jnp.abs(b))) or 1.0
         assert float(jnp.max(jnp.abs(a - b))) / scale < tol
+
+
+def test_gpu_suite_runs_at_tiny_size(tmp_path):
+    """bench/gpu.py end to end on CPU with tiny models: every part runs and lands in gpu.json,
+    gpu.md and loss.png (the GPU tests are skipped off a GPU)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}",
+                        "--size=tiny"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu.json").read_text())["parts"]
+    assert res["tests"]["exit"] == 0 and res["tests"]["skipped"] > 0
+    assert all("error" not in v and v["tokens_per_sec"] > 0 for v in res["train"].values())
+    assert res["train"]["b4-scan"]["flags"][-1] == "--scan_layers"
+    rows = [row for w in ("compute", "float32") for row in res["sample"][w]["results"]]
+    assert len(rows) == 4 and all(0 < row["bw_util"] for row in rows)
+    assert res["curve"]["exit"] == 0 and [s for s, *_ in res["curve"]["eval"]] == [10, 20]
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert "## Training step" in (tmp_path / "gpu.md").read_text()
+
+
+def test_profile_reports_device_time():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "profile.py"), "train", "--preset=tiny",
+                        "--steps=2", "--top=5"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train: per step" in r.stdout and " ms/step" in r.stdout

@@ -222,3 +222,29 @@ def test_dropout_is_active_only_with_a_key():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     c, _ = model(x, dropout_key=jax.random.key(0))
     assert float(jnp.abs(c[..., :65] - a[..., :65]).max()) > 0
+
+
+def test_auto_attention_takes_cudnn_for_bf16_training():
+    """--attention=auto resolves to cuDNN on the causal bf16 path (XLA's own choice materialises
+    the scores) and to XLA where cuDNN does not apply."""
+    from gpt.model import fused_implementation
+    assert fused_implementation("auto", True, jnp.bfloat16, 64, "gpu") == "cudnn"
+    assert fused_implementation("auto", True, jnp.float32, 64, "gpu") == "xla"
+    assert fused_implementation("auto", False, jnp.bfloat16, 64, "gpu") == "xla"
+    assert fused_implementation("auto", True, jnp.bfloat16, 64, "cpu") == "xla"
+
+
+def test_weights_held_in_bf16_run_with_and_without_cache():
+    """Sampling may hold the parameters in the compute dtype: the residual stream stays float32
+    (the layer scan's carry) and the logits match float32-held weights in bf16 compute."""
+    from gpt.model import GPT, init_cache
+    cfg = tiny_model_config(dtype="bfloat16")
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    gd, params = nnx.split(model)
+    half = nnx.merge(gd, jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))
+    idx = jnp.array([[1, 2, 3, 4, 5, 6]], jnp.int32)
+    full, _ = model(idx)
+    got, _ = half(idx)
+    cached, _ = half(idx, cache=init_cache(cfg, 1, 8))
+    assert float(jnp.abs(got - full)[..., :65].max()) < 0.1
+    assert float(jnp.abs(cached - got)[..., :65].max()) < 0.05

@@ -1,0 +1,264 @@
+"""The GPU suite in one command: GPU tests, training and decoding benchmarks, a short training run.
+
+    python bench/gpu.py --out=DIR [--size=full|tiny] [--parts=tests,train,sample,curve]
+                        [--train_variants=NAME,...] [--timeout=SEC]
+
+Parts (each runs in its own process, so an out-of-memory variant or a crash is recorded and the
+suite goes on):
+- tests: `pytest -m gpu` (cuDNN attention == reference with gradients, bf16 training tracks
+  float32, cached decoding == full recompute).
+- train: `bench/train.py` on GPT-2 124M at T=1024 in bfloat16: batch sizes up to the one that no
+  longer fits, remat variants, and the compile time with and without --scan_layers; tokens/s and
+  MFU against the measured matmul ceiling and the vendor peak.
+- sample: `bench/sample.py` decoding GPT-2 at batch 1/16/64 with the memory-bandwidth utilisation.
+- curve: a 300-step shakespeare-char run of `train.py` (its loss curve and loss.png).
+`--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
+DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
+loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PARTS = ("tests", "sample", "curve", "train")  # the longest last: a cut-short run keeps the rest
+
+# name -> bench/train.py flags. The first is the headline configuration; "scan" measures compile
+# time with --scan_layers; the larger batches and remat policies look for the fastest that fits.
+TRAIN_FULL = {
+    "b16": ["--batch_size=16"],
+    "b16-scan": ["--batch_size=16", "--scan_layers"],
+    "b64-dots": ["--batch_size=64", "--remat=dots"],
+    "b32": ["--batch_size=32"],
+    "b64-block": ["--batch_size=64", "--remat=block"],
+    "b64": ["--batch_size=64"],
+}
+TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
+
+
+def sizes(size: str) -> dict:
+    """The models and lengths of each part for --size."""
+    if size == "tiny":
+        return dict(train_preset="tiny", train_variants=TRAIN_TINY, steps=["--steps=2", "--warmup=1",
+                    "--ceiling_n=256", "--ceiling_reps=2"], sample_config="tiny",
+                    sample_batches="1,4", new_tokens=8, curve_steps=20,
+                    curve_flags=["--preset=tiny", "--eval_interval=10", "--eval_iters=2",
+                                 "--log_interval=5"])
+    return dict(train_preset="gpt2", train_variants=TRAIN_FULL, steps=["--steps=10", "--warmup=3"],
+                sample_config="gpt2", sample_batches="1,16,64", new_tokens=256, curve_steps=300,
+                curve_flags=["--preset=shakespeare-char", "--eval_interval=50", "--eval_iters=20",
+                             "--log_interval=10"])
+
+
+class Runner:
+    """Runs the parts' processes, appends their output to gpu.log and keeps the results."""
+
+    def __init__(self, out: Path, timeout: int, env: dict):
+        self.out, self.timeout, self.env = out, timeout, env
+        self.results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "parts": {}}
+        self.log_path = out / "gpu.log"
+
+    def run(self, cmd: list[str], timeout: int | None = None) -> tuple[int, str, float]:
+        """(exit status, stdout + stderr, seconds); a timeout is status 124."""
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True,
+                               timeout=timeout or self.timeout)
+            rc, text = r.returncode, r.stdout + r.stderr
+        except subprocess.TimeoutExpired as e:
+            rc = 124
+            text = "".join(x.decode() if isinstance(x, bytes) else (x or "")
+                           for x in (e.stdout, e.stderr)) + "\n[timed out]"
+        sec = time.perf_counter() - t0
+        with open(self.log_path, "a") as f:
+            f.write(f"\n$ {' '.join(cmd)}\n[exit {rc}, {sec:.1f} s]\n{text}\n")
+        print(f"  {' '.join(cmd[1:3])} ... exit {rc} in {sec:.0f} s", flush=True)
+        return rc, text, sec
+
+    def save(self, name: str, result) -> None:
+        self.results["parts"][name] = result
+        (self.out / "gpu.json").write_text(json.dumps(self.results, indent=1))
+        (self.out / "gpu.md").write_text(markdown(self.results))
+
+
+def last_json(text: str) -> dict | None:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+
+
+def why_failed(rc: int, text: str) -> str:
+    if rc == 124:
+        return "timed out"
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        return "out of memory"
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else f"exit {rc}"
+
+
+def part_tests(r: Runner, sz: dict) -> dict:
+    rc, text, sec = r.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
+                           "tests/test_gpu.py"])
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text)}
+    return {"exit": rc, "seconds": sec, **counts,
+            "failures": re.findall(r"^FAILED (.*)$", text, flags=re.M)}
+
+
+def part_train(r: Runner, sz: dict, only: list[str]) -> dict:
+    rows = {}
+    for name, flags in sz["train_variants"].items():
+        if only and name not in only:
+            continue
+        cmd = [sys.executable, "bench/train.py", f"--preset={sz['train_preset']}",
+               "--dtypes=bfloat16", "--gradient_accumulation_steps=1", *flags, *sz["steps"]]
+        rc, text, sec = r.run(cmd)
+        res = last_json(text) if rc == 0 else None
+        rows[name] = {"flags": flags, "wall_sec": sec, **(res or {"error": why_failed(rc, text)})}
+        r.save("train", rows)
+    return rows
+
+
+def part_sample(r: Runner, sz: dict) -> dict:
+    rows = {}
+    for weights in ("compute", "float32"):
+        cmd = [sys.executable, "bench/sample.py", f"--configs={sz['sample_config']}",
+               f"--batches={sz['sample_batches']}", f"--new_tokens={sz['new_tokens']}",
+               "--baseline_batches=", f"--weights={weights}"]
+        rc, text, sec = r.run(cmd)
+        res = last_json(text) if rc == 0 else None
+        rows[weights] = res or {"error": why_failed(rc, text)}
+        r.save("sample", rows)
+    return rows
+
+
+def part_curve(r: Runner, sz: dict) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu-curve-"))
+    n = sz["curve_steps"]
+    cmd = [sys.executable, "train.py", *sz["curve_flags"], f"--max_iters={n}", f"--lr_decay_iters={n}",
+           f"--out_dir={run_dir}", "--progress=false"]
+    rc, text, sec = r.run(cmd)
+    recs = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    if (run_dir / "loss.png").exists():
+        shutil.copy(run_dir / "loss.png", r.out / "loss.png")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    train = [(x["step"], round(x["loss"], 4)) for x in recs if x.get("kind") == "train"]
+    evals = [(x["step"], round(x["train_loss"], 4), round(x["val_loss"], 4))
+             for x in recs if x.get("kind") == "eval"]
+    tps = [x["tokens_per_sec"] for x in recs if x.get("kind") == "train"][1:]
+    return {"exit": rc, "wall_sec": sec, "train_loss": train, "eval": evals,
+            "tokens_per_sec_median": sorted(tps)[len(tps) // 2] if tps else None,
+            **({} if rc == 0 else {"error": why_failed(rc, text)})}
+
+
+def _pct(x) -> str:
+    return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else "-"
+
+
+def _train_table(rows: dict) -> list[str]:
+    lines = ["| variant | flags | step ms | tokens/s | model TFLOP/s | MFU (measured ceiling) | "
+             "MFU (vendor peak) | compile s |", "|---|---|---|---|---|---|---|---|"]
+    for name, x in rows.items():
+        if "error" in x:
+            lines.append(f"| {name} | {' '.join(x['flags'])} | {x['error']} | | | | | |")
+            continue
+        lines.append(f"| {name} | {' '.join(x['flags'])} | {x['step_ms']:.1f} | "
+                     f"{x['tokens_per_sec']:,.0f} | {x['model_tflops']:.1f} | "
+                     f"{_pct(x['mfu_measured'])} of {x['ceiling_tflops']:.0f} | "
+                     f"{_pct(x['mfu_vendor'])} | {x['compile_sec']:.1f} |")
+    return lines
+
+
+def _sample_table(rows: dict) -> list[str]:
+    lines = ["| weights | config | batch | tokens/s | ms/step | bound ms | bandwidth used |",
+             "|---|---|---|---|---|---|---|"]
+    for weights, x in rows.items():
+        if "error" in x:
+            lines.append(f"| {weights} | {x['error']} | | | | | |")
+            continue
+        for row in x["results"]:
+            lines.append(f"| {weights} | {row['config']} | {row['batch']} | "
+                         f"{row['decode_tokens_per_sec']:,.0f} | {row['ms_per_step']:.2f} | "
+                         f"{row['bound_ms']:.2f} | {_pct(row['bw_util'])} of "
+                         f"{row['copy_gbps']:,.0f} GB/s |")
+    return lines
+
+
+def markdown(results: dict) -> str:
+    p = results["parts"]
+    out = [f"# GPU suite ({results.get('device', '?')}, jax {results.get('jax', '?')}, "
+           f"{results['started']})", ""]
+    if "tests" in p:
+        t = p["tests"]
+        out += ["## pytest -m gpu", "", f"exit {t['exit']}: {t.get('passed', 0)} passed, "
+                f"{t.get('failed', 0)} failed, {t.get('skipped', 0)} skipped"
+                + (f"; failed: {', '.join(t['failures'])}" if t["failures"] else ""), ""]
+    if "train" in p:
+        out += ["## Training step (bench/train.py, bfloat16)", "", *_train_table(p["train"]), ""]
+    if "sample" in p:
+        out += ["## Decoding (bench/sample.py)", "", *_sample_table(p["sample"]), ""]
+    if "curve" in p:
+        c = p["curve"]
+        out += ["## Short training run (train.py)", "", f"exit {c['exit']}, {c['wall_sec']:.0f} s wall, "
+                f"median {c['tokens_per_sec_median'] or 0:,.0f} tokens/s", "",
+                "| step | train loss | val loss |", "|---|---|---|",
+                *[f"| {s} | {tr} | {va} |" for s, tr, va in c["eval"]], ""]
+    return "\n".join(out)
+
+
+def device_info(env: dict) -> tuple[str, str]:
+    code = "import jax; from gpt import metrics; print(metrics.device_name()); print(jax.__version__)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    lines = r.stdout.strip().splitlines()
+    return (lines[0], lines[1]) if r.returncode == 0 and len(lines) >= 2 else ("unknown", "unknown")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for gpu.json, gpu.md, gpu.log, loss.png")
+    ap.add_argument("--size", default="full", choices=("full", "tiny"))
+    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--train_variants", default="", help="comma list of variant names (default all)")
+    ap.add_argument("--timeout", type=int, default=420, help="seconds per process")
+    args = ap.parse_args(argv)
+    parts = [x for x in args.parts.split(",") if x]
+    bad = [x for x in parts if x not in PARTS]
+    if bad:
+        ap.error(f"unknown part(s) {', '.join(bad)} (choose from {', '.join(PARTS)})")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GPT_DATA_CACHE=tempfile.mkdtemp(prefix="gpu-data-"))
+    if args.size == "full":
+        env["JAX_PLATFORMS"] = ""  # every platform (the tests' conftest pins unset ones to the CPU)
+    r = Runner(out, args.timeout, env)
+    r.results["device"], r.results["jax"] = device_info(env)
+    r.results["size"] = args.size
+    print(f"GPU suite on {r.results['device']} (jax {r.results['jax']}), parts {', '.join(parts)}")
+    sz = sizes(args.size)
+    only = [x for x in args.train_variants.split(",") if x]
+    for part in parts:
+        res = {"tests": lambda: part_tests(r, sz), "train": lambda: part_train(r, sz, only),
+               "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz)}[part]()
+        r.save(part, res)
+    print(markdown(r.results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,143 @@
+"""Where a step's time goes: device time per XLA op and per kernel, from a jax.profiler trace.
+
+    python bench/profile.py train [--key=value ...] [--steps=N]    # a training step (bench/train.py's)
+    python bench/profile.py decode [--config=gpt2] [--batch=1] [--new_tokens=64] [--weights=compute]
+
+It traces a few steps after warm-up and prints the ops and kernels that take the most device time
+(per step), grouped into matmuls, attention, fusions (elementwise/reductions), copies and the rest,
+with the gaps where the device sat idle. It reads the trace with `jax.profiler.ProfileData`, so
+neither TensorBoard nor a GPU profiler is needed; on CPU the "device" is the host's XLA threads.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import importlib.util
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+
+GROUPS = [("matmul", re.compile(r"gemm|cublas|dot|matmul|triton_gemm|wgmma|sm90_xmma", re.I)),
+          ("attention", re.compile(r"cudnn|fmha|flash|attention|dot_product", re.I)),
+          ("copy", re.compile(r"copy|transpose|dynamic.update.slice|memcpy|memset", re.I)),
+          ("collective", re.compile(r"all.reduce|all.gather|reduce.scatter|nccl", re.I)),
+          ("fusion", re.compile(r"fusion|reduce|loop_|input_|kernel", re.I))]
+
+
+def group(name: str) -> str:
+    return next((g for g, rx in GROUPS if rx.search(name)), "other")
+
+
+def device_events(xspace_path: str) -> dict[str, list[tuple[str, float, float]]]:
+    """{line name: [(event name, start ns, duration ns)]} of the first accelerator plane (or the
+    host's XLA threads on CPU)."""
+    from jax.profiler import ProfileData
+    pd = ProfileData.from_file(xspace_path)
+    planes = [p for p in pd.planes if p.name.startswith("/device:")] or \
+             [p for p in pd.planes if p.name == "/host:CPU"]
+    out: dict[str, list] = {}
+    for line in planes[0].lines:
+        if line.name == "python":
+            continue
+        evs = [(e.name, e.start_ns, e.duration_ns) for e in line.events if e.duration_ns > 0]
+        if evs:
+            out[line.name] = evs
+    return out
+
+
+def report(lines: dict[str, list], steps: int, top: int) -> None:
+    for line_name, evs in lines.items():
+        if not re.search(r"XLA Ops|Stream|XLA", line_name) and len(lines) > 1:
+            continue
+        total = sum(d for _, _, d in evs)
+        span = max(s + d for _, s, d in evs) - min(s for _, s, _ in evs)
+        print(f"\n== {line_name}: {len(evs) / steps:.0f} events/step, busy {total / steps / 1e6:.2f} "
+              f"ms/step of a {span / steps / 1e6:.2f} ms/step span ({100 * total / max(span, 1):.0f}%)")
+        by_group = collections.Counter()
+        by_name = collections.Counter()
+        count = collections.Counter()
+        for name, _, d in evs:
+            key = re.sub(r"\.\d+$", "", name) if len(name) > 60 else name
+            by_name[key] += d
+            count[key] += 1
+            by_group[group(name)] += d
+        print("   " + ", ".join(f"{g} {v / steps / 1e6:.2f} ms ({100 * v / total:.0f}%)"
+                                for g, v in by_group.most_common()))
+        for name, d in by_name.most_common(top):
+            print(f"   {d / steps / 1e6:8.3f} ms {100 * d / total:5.1f}% x{count[name] / steps:5.1f}  "
+                  f"[{group(name)}] {name[:110]}")
+
+
+def trace(fn, steps: int) -> str:
+    d = tempfile.mkdtemp(prefix="profile-")
+    with jax.profiler.trace(d):
+        for _ in range(steps):
+            fn()
+    return glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]
+
+
+def train_step_fn(rest: list[str]):
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "bench" / "train.py")
+    bt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bt)
+    from gpt.config import ModelConfig, TrainConfig, build, validate_model, validate_train
+    (m, t), _ = build([ModelConfig, TrainConfig], rest, default_preset="default")
+    v = bt.Variant(validate_model(m), validate_train(t))
+    counter = iter(range(10 ** 9))
+    return lambda: v.run_step(next(counter), timed=False)
+
+
+def decode_fn(args):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    spec = importlib.util.spec_from_file_location("bench_sample", REPO / "bench" / "sample.py")
+    bs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bs)
+    from gpt.model import GPT, compute_dtype
+    from gpt.sampling import SamplingSettings, decode, prefill
+    cfg = bs.model_config(args.config, args.dtype)
+    gd, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+    if args.weights == "compute":
+        dt = compute_dtype(cfg)
+        params = jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                              params)
+    s = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0, top_k=200)
+    prompt = jax.random.randint(jax.random.key(0), (args.batch, 16), 0, cfg.vocab_size, jnp.int32)
+    state = jax.jit(lambda p: prefill(nnx.merge(gd, p), prompt, jnp.zeros((args.batch,), jnp.int32),
+                                      jax.random.key(1), args.new_tokens))(params)
+    dec = jax.jit(lambda p, st: decode(nnx.merge(gd, p), st, args.new_tokens, s).tokens_BN)
+    return lambda: dec(params, state).block_until_ready()
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=("train", "decode"))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--config", default="gpt2")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--new_tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weights", default="compute", choices=("compute", "float32"))
+    args, rest = ap.parse_known_args(argv)
+    fn = train_step_fn(rest) if args.what == "train" else decode_fn(args)
+    for _ in range(2):
+        fn()  # compile and warm up
+    lines = device_events(trace(fn, args.steps))
+    per = args.steps * (args.new_tokens if args.what == "decode" else 1)
+    print(f"{args.what}: per {'decoded token' if args.what == 'decode' else 'step'} "
+          f"(averaged over {per})")
+    report(lines, per, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

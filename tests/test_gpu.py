@@ -1,0 +1,118 @@
+"""GPU checks (`python -m pytest -m gpu`, run by bench/gpu.py on a machine with a GPU).
+
+On CPU they are deselected by default and skipped when selected: each compares a GPU-only path
+(cuDNN attention, bf16 training, cached decoding under GPU numerics) with its reference.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_model_config
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_cudnn_attention_matches_reference_values_and_gradients():
+    """cuDNN flash attention (bf16) against the float32 einsum reference, forward and backward."""
+    from gpt.model import attention_einsum, attention_fused, causal_mask
+    B, T, H, K = 2, 256, 4, 64
+    kq, kk, kv, kg = jax.random.split(jax.random.key(0), 4)
+    q, k, v = (jax.random.normal(x, (B, T, H, K), jnp.float32) for x in (kq, kk, kv))
+    g = jax.random.normal(kg, (B, T, H, K), jnp.float32)
+
+    def cudnn(q, k, v):
+        bf = lambda a: a.astype(jnp.bfloat16)
+        return jnp.sum(attention_fused(bf(q), bf(k), bf(v), None, "cudnn") * g)
+
+    def ref(q, k, v):
+        with jax.default_matmul_precision("highest"):
+            return jnp.sum(attention_einsum(q, k, v, causal_mask(T)) * g)
+
+    out_c = attention_fused(*(a.astype(jnp.bfloat16) for a in (q, k, v)), None, "cudnn")
+    with jax.default_matmul_precision("highest"):
+        out_r = attention_einsum(q, k, v, causal_mask(T))
+    assert _rel(out_c, out_r) < 1e-2
+    for gc, gr in zip(jax.grad(cudnn, (0, 1, 2))(q, k, v), jax.grad(ref, (0, 1, 2))(q, k, v)):
+        assert _rel(gc, gr) < 2e-2
+
+
+def test_model_logits_cudnn_equal_einsum():
+    """The whole model with --attention=cudnn against the einsum reference, both in bf16."""
+    from gpt.model import GPT
+    idx = jax.random.randint(jax.random.key(1), (2, 128), 0, 65)
+    logits = {}
+    for attn in ("cudnn", "einsum"):
+        cfg = tiny_model_config(block_size=128, n_embd=256, n_head=4, dtype="bfloat16",
+                                attention=attn)
+        logits[attn] = GPT(cfg, rngs=nnx.Rngs(0))(idx)[0][..., :65]
+    assert _rel(logits["cudnn"], logits["einsum"]) < 1e-2
+
+
+def test_bf16_training_tracks_float32():
+    """30 steps of the real train step in bf16 and in float32 from the same init and batches:
+    the losses agree to within bf16's rounding and both fall."""
+    from gpt.config import TrainConfig
+    from gpt.model import GPT
+    from gpt.train import make_optimizer, make_train_step
+    t = TrainConfig(learning_rate=3e-3, min_lr=3e-4, warmup_iters=5, max_iters=30)
+    rng = np.random.default_rng(0)
+    # A learnable stream: each row counts up from a random start, so the loss can fall far.
+    starts = rng.integers(0, 65, (30, 1, 8, 1))
+    x = jnp.asarray((starts + np.arange(65)[None, None, None, :64]) % 65, jnp.int32)
+    y = jnp.asarray((starts + 1 + np.arange(65)[None, None, None, :64]) % 65, jnp.int32)
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = tiny_model_config(block_size=64, n_embd=128, n_head=4, dtype=dtype)
+        gd, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+        params = nnx.to_pure_dict(params)
+        tx = make_optimizer(t)
+        opt = tx.init(params)
+        step_fn = jax.jit(make_train_step(gd, tx, 0, train_mode=False))
+        out, step = [], jnp.asarray(0, jnp.int32)
+        for i in range(30):
+            params, opt, step, met = step_fn(params, opt, step, x[i], y[i])
+            out.append(float(met["loss"]))
+        losses[dtype] = np.array(out)
+    f32, bf16 = losses["float32"], losses["bfloat16"]
+    assert f32[-1] < 0.5 * f32[0] and bf16[-1] < 0.5 * bf16[0]
+    assert np.max(np.abs(f32 - bf16) / f32) < 0.05, (f32, bf16)
+
+
+def test_cached_greedy_equals_full_recompute_on_gpu():
+    """KV-cached greedy decoding == re-running the whole context per token, on the GPU in float32
+    at full matmul precision (TF32 would round the two paths differently)."""
+    from gpt.model import GPT
+    from gpt.sampling import SamplingSettings, Sampler, full_recompute_generate
+    model = GPT(tiny_model_config(block_size=96, dtype="float32"), rngs=nnx.Rngs(3))
+    s = SamplingSettings(max_new_tokens=64, temperature=0.0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 65, size=n).tolist() for n in (1, 5, 17)]
+    with jax.default_matmul_precision("highest"):
+        got = Sampler(model, s, chunk=16).generate(prompts, jax.random.key(0))
+        for p, row in zip(prompts, got):
+            assert row == full_recompute_generate(model, p, jax.random.key(0), s)
+
+
+def test_cached_bf16_logits_match_full_forward_on_gpu():
+    """bf16 cached decoding step by step against one bf16 full forward of the same tokens."""
+    from gpt.model import GPT, init_cache
+    model = GPT(tiny_model_config(block_size=64, n_embd=128, n_head=4, dtype="bfloat16"),
+                rngs=nnx.Rngs(4))
+    tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, 65)
+    full, _ = model(tokens)
+    logits, cache = model(tokens[:, :8], cache=init_cache(model.cfg, 2, 64))
+    steps = [logits[:, -1]]
+    for t in range(8, 39):
+        logits, cache = model(tokens[:, t:t + 1], cache=cache)
+        steps.append(logits[:, -1])
+    assert _rel(jnp.stack(steps, 1)[..., :65], full[:, 7:-1, :65]) < 2e-2
