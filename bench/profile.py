@@ -101,12 +101,13 @@ def decode_fn(args):
     spec = importlib.util.spec_from_file_location("bench_sample", REPO / "bench" / "sample.py")
     bs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bs)
-    from gpt.model import GPT, compute_dtype
+    from gpt.model import GPT
+    from gpt.runtime import compute_dtype
     from gpt.sampling import SamplingSettings, decode, prefill
     cfg = bs.model_config(args.config, args.dtype)
     gd, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
     if args.weights == "compute":
-        dt = compute_dtype(cfg)
+        dt = compute_dtype(cfg.dtype)
         params = jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p,
                               params)
     s = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0, top_k=200)

@@ -39,7 +39,8 @@ from flax import nnx  # noqa: E402
 
 from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import PRESETS, ModelConfig, validate_model  # noqa: E402
-from gpt.model import GPT, compute_dtype, num_params  # noqa: E402
+from gpt.model import GPT, num_params  # noqa: E402
+from gpt.runtime import compute_dtype  # noqa: E402
 from gpt.sampling import SamplingSettings, decode, full_recompute_generate, prefill  # noqa: E402
 
 ARCH = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
@@ -69,7 +70,7 @@ def bench_config(name: str, args) -> list[dict]:
     cfg = model_config(name, args.dtype)
     model = GPT(cfg, rngs=nnx.Rngs(0))
     gd, params = nnx.split(model)
-    dtype = compute_dtype(cfg)
+    dtype = compute_dtype(cfg.dtype)
     if args.weights == "compute":
         params = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
                               else p, params)
@@ -87,7 +88,7 @@ def bench_config(name: str, args) -> list[dict]:
         t_pf, state = timed(lambda: pf(params, prompt, start, key), args.reps)
         t_dec, _ = timed(lambda: dec(params, state), args.reps)
         row = {"config": name, "params_m": num_params(cfg) / 1e6, "batch": B, "prompt_len": P,
-               "new_tokens": N, "dtype": jnp.dtype(compute_dtype(cfg)).name,
+               "new_tokens": N, "dtype": dtype.name,
                "prefill_ms": 1e3 * t_pf, "decode_sec": t_dec,
                "decode_tokens_per_sec": B * N / t_dec, "ms_per_step": 1e3 * t_dec / N,
                "baseline_tokens_per_sec": None, "speedup": None, "weights": args.weights,

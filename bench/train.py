@@ -36,7 +36,8 @@ from flax import nnx  # noqa: E402
 from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import ModelConfig, TrainConfig, build, validate_model, validate_train  # noqa: E402
 from gpt.errors import UserError  # noqa: E402
-from gpt.model import GPT, compute_dtype, flops_per_token, num_params  # noqa: E402
+from gpt.model import GPT, flops_per_token, num_params  # noqa: E402
+from gpt.runtime import compute_dtype  # noqa: E402
 from gpt.train import make_optimizer, make_train_step  # noqa: E402
 
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
@@ -107,7 +108,7 @@ class Variant:
             self.times.append(dt)
 
     def result(self, opts: dict) -> dict:
-        dtype = compute_dtype(self.m)
+        dtype = compute_dtype(self.m.dtype)
         dtype_name = jnp.dtype(dtype).name
         step_sec = statistics.median(self.times)
         # The ceiling is measured after the steps, on a warm machine, in the compute dtype.

@@ -30,7 +30,8 @@ from gpt import metrics as metrics_lib
 from gpt import sharding
 from gpt.config import ARCH_FIELDS, ModelConfig, TrainConfig, model_from_dict, to_dict
 from gpt.errors import UserError
-from gpt.model import GPT, abstract_params, compute_dtype, flops_per_token, num_params
+from gpt.model import GPT, abstract_params, flops_per_token, num_params
+from gpt.runtime import compute_dtype
 from gpt.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -281,7 +282,7 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
     total_b, per_dev_b = sharding.state_bytes((params, opt_state))
     log(f"{n_params / 1e6:.2f}M params; params+optimizer {total_b / 1e9:.3f} GB in all, "
         f"{per_dev_b / 1e9:.3f} GB per device on {mesh.size} (mesh {dict(mesh.shape)}); "
-        f"compute {jnp.dtype(compute_dtype(m)).name}")
+        f"compute {compute_dtype(m.dtype).name}")
 
     # Copy the tokenizer's files next to the checkpoints so sampling needs nothing else.
     if main:
@@ -327,8 +328,8 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
         res["val_bpb"] = res["val_loss"] / math.log(2) / bpt if bpt else None
         return res
 
-    dtype_name = jnp.dtype(compute_dtype(m)).name
-    ceiling = metrics_lib.measure_matmul_tflops(compute_dtype(m))
+    dtype_name = compute_dtype(m.dtype).name
+    ceiling = metrics_lib.measure_matmul_tflops(compute_dtype(m.dtype))
     through = metrics_lib.Throughput(flops_per_token(m, T), ceiling,
                                      metrics_lib.vendor_peak_tflops(dtype_name), mesh.size)
     mlog = metrics_lib.MetricsLog(out, resume_step=step if t.init_from == "resume" else None,

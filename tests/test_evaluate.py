@@ -6,7 +6,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from conftest import REPO
+from helpers import REPO
 from test_train import run
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_model_config
+from helpers import tiny_model_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]

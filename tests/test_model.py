@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_model_config
+from helpers import tiny_model_config
 from gpt import model as M
 from gpt.config import PRESETS, ModelConfig
 
@@ -52,99 +52,6 @@ def test_gpt2_parameter_count():
     # FLOPs: 6N (no position embeddings) + 12*L*T*D.
     n = 124_439_808 - 1024 * 768
     assert M.flops_per_token(cfg) == 6 * n + 12 * 12 * 1024 * 768
-
-
-@pytest.mark.parametrize("rate", [0.001, 0.2, 0.5])
-def test_dropout_mask_rate_and_scale(rate):
-    """16-bit masks: the kept fraction is 1 - rate (to sampling error), the mean is preserved,
-    odd trailing sizes work, and the same key gives the same mask."""
-    key = jax.random.key(4)
-    keep = M.keep_mask(key, rate, (8, 3, 40001))
-    assert keep.shape == (8, 3, 40001) and keep.dtype == jnp.bool_
-    n = keep.size
-    kept = float(keep.mean())
-    assert abs(kept - (1 - rate)) < 5 * (rate * (1 - rate) / n) ** 0.5 + 1e-5, kept
-    assert abs(M.drop_rate(rate) - rate) <= 2 ** -17
-    y = M.dropout(jnp.ones((8, 3, 40001)), rate, key)
-    assert abs(float(y.mean()) - 1.0) < 5 * (rate / (1 - rate) / n) ** 0.5 + 1e-5
-    assert bool(jnp.all(M.keep_mask(key, rate, (8, 3, 40001)) == keep))
-    assert not bool(jnp.all(M.keep_mask(jax.random.key(5), rate, (8, 3, 40001)) == keep))
-    assert M.keep_mask(None, rate, (4,)).ndim == 0 and M.keep_mask(key, 0.0, (4,)).ndim == 0
-
-
-@pytest.mark.parametrize("cpu_layouts", [True, False])  # False: the GPU/TPU form, on the CPU
-@pytest.mark.parametrize("block", [M.ATTENTION_BLOCK, 8, 5])
-@pytest.mark.parametrize("rate", [0.0, 0.3])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_blocked_attention_matches_einsum(rate, dtype, block, cpu_layouts, monkeypatch):
-    """The hand-written attention backward (the training path) against autodiff of the reference,
-    with the same dropout mask: equal forward, gradients equal up to bf16 rounding; in one query
-    block and in several (the causal blocks skipped), including a ragged last block."""
-    monkeypatch.setattr(M, "_cpu_layouts", lambda: cpu_layouts)
-    B, T, H, K = 2, 16, 2, 8
-    ks = jax.random.split(jax.random.key(0), 5)
-    q, k, v = (jax.random.normal(ks[i], (B, T, H, K)) for i in range(3))
-    key = ks[3] if rate else None
-    keep = M.attention_keep_masks(key, rate, B, H, T, block)
-    full = M.keep_mask(key, rate, (B, H, T, T))
-    for (t0, t1), blk in zip(M.causal_blocks(T, block), keep, strict=True):  # the full mask's blocks
-        assert bool(jnp.all(blk == (full[:, :, t0:t1, :t1] if full.ndim else full)))
-    dt = jnp.dtype(dtype)
-    cast = lambda *a: [x.astype(dt) for x in a]
-    y1, vjp1 = jax.vjp(lambda *a: M.attention_blocked(*cast(*a), keep, M.drop_rate(rate), block),
-                       q, k, v)
-    y2, vjp2 = jax.vjp(lambda *a: M.attention_einsum(*cast(*a), M.causal_mask(T), rate, key), q, k, v)
-    np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), atol=1e-6)
-    g = jax.random.normal(ks[4], y1.shape)
-    for a, b in zip(vjp1(g), vjp2(g)):
-        err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-        assert err < (1e-5 if dtype == "float32" else 2e-2), err
-
-
-def test_blocked_attention_is_the_training_path(monkeypatch):
-    """A model with dropout trains through `attention_blocked` in either dtype (`--attention=einsum`
-    keeps the reference); its loss gradient matches the reference's: to float32 rounding in
-    float32, to bf16 accuracy in bfloat16 (with two query blocks)."""
-    monkeypatch.setattr(M, "ATTENTION_BLOCK", 8)
-    cfg = tiny_model_config(dropout=0.1)
-    model = make(cfg)
-    gd, params = nnx.split(model)
-    x = tokens(2, 16, 65)
-
-    def loss(p, dtype, attention="auto"):
-        m = nnx.merge(gd, p)
-        m.cfg = dataclasses.replace(cfg, dtype=dtype, attention=attention)
-        logits, _ = m(x, dropout_key=jax.random.key(3))
-        return jnp.mean(jax.nn.logsumexp(logits, -1))
-
-    uses = lambda *a: "name=attention_blocked" in str(jax.make_jaxpr(lambda p: loss(p, *a))(params))
-    assert uses("bfloat16") and uses("float32") and uses("bfloat16", "xla")
-    assert not uses("float32", "einsum") and not uses("bfloat16", "einsum")
-    ref = jax.grad(loss)(params, "float32", "einsum")
-    for dtype, tol in (("float32", 1e-5), ("bfloat16", 5e-2)):
-        for a, b in zip(jax.tree.leaves(jax.grad(loss)(params, dtype)), jax.tree.leaves(ref)):
-            assert float(jnp.max(jnp.abs(a - b))) / (float(jnp.max(jnp.abs(b))) or 1.0) < tol
-
-
-def test_einsum_reference_matches_dot_product_attention():
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(k1, (2, 8, 4, 16))
-    k = jax.random.normal(k2, (2, 8, 4, 16))
-    v = jax.random.normal(k3, (2, 8, 4, 16))
-    ref = M.attention_einsum(q, k, v, M.causal_mask(8))
-    fused = M.attention_fused(q, k, v, None, "xla")
-    np.testing.assert_allclose(np.asarray(fused), np.asarray(ref), atol=1e-5)
-    # With an explicit mask (the cache path) too.
-    mask = jnp.broadcast_to(M.causal_mask(8), (2, 8, 8)).at[1, :, :3].set(False)
-    np.testing.assert_allclose(np.asarray(M.attention_fused(q, k, v, mask, "xla")),
-                               np.asarray(M.attention_einsum(q, k, v, mask)), atol=1e-5)
-    cfg = tiny_model_config()
-    model = make(cfg)
-    x = tokens(2, 16, 65)
-    a, _ = model(x)
-    model.cfg = dataclasses.replace(cfg, attention="einsum")
-    b, _ = model(x)
-    np.testing.assert_allclose(np.asarray(a[..., :65]), np.asarray(b[..., :65]), atol=1e-5)
 
 
 def test_init_statistics():
@@ -222,16 +129,6 @@ def test_dropout_is_active_only_with_a_key():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     c, _ = model(x, dropout_key=jax.random.key(0))
     assert float(jnp.abs(c[..., :65] - a[..., :65]).max()) > 0
-
-
-def test_auto_attention_takes_cudnn_for_bf16_training():
-    """--attention=auto resolves to cuDNN on the causal bf16 path (XLA's own choice materialises
-    the scores) and to XLA where cuDNN does not apply."""
-    from gpt.model import fused_implementation
-    assert fused_implementation("auto", True, jnp.bfloat16, 64, "gpu") == "cudnn"
-    assert fused_implementation("auto", True, jnp.float32, 64, "gpu") == "xla"
-    assert fused_implementation("auto", False, jnp.bfloat16, 64, "gpu") == "xla"
-    assert fused_implementation("auto", True, jnp.bfloat16, 64, "cpu") == "xla"
 
 
 def test_weights_held_in_bf16_run_with_and_without_cache():

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 from gpt import checkpoint as ckpt
 from gpt.errors import UserError
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import tiny_model_config
+from helpers import tiny_model_config
 from gpt.model import GPT
 from gpt.sampling import (SamplingSettings, Sampler, filter_logits, full_recompute_generate,
                           generate, left_pad, sample_token)

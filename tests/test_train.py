@@ -1,20 +1,17 @@
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
-from conftest import REPO, tiny_model_config
+from helpers import REPO, tiny_model_config
 from gpt import train as T
 from gpt.config import ModelConfig, TrainConfig, build, validate_model, validate_train
 from gpt.errors import UserError

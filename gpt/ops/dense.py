@@ -1,0 +1,128 @@
+"""Dense layers: an einsum in the compute dtype with float32 accumulation, and a custom backward.
+
+Plain autodiff of a bf16 einsum runs the backward matmuls in float32 (the cotangent's dtype) and, on
+CPU, in layouts the fast kernels lack (XLA's own layout for a weight gradient transposed a
+[B*T, 4D] cotangent in a slow loop). `dense` keeps every gradient matmul in the compute dtype and,
+with `cpu_layouts`, as `a @ b` / `a @ b.T` products of flattened operands. Figures: BENCHMARKS.md.
+Axis letters: M rows (the flattened free axes of x), C the contracted axes, N the weight's free axes.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+def dense_reference(x: jax.Array, w: jax.Array, spec: str, dtype) -> jax.Array:
+    """The reference: a plain einsum differentiated by JAX (what `dense` must agree with)."""
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def dense(x: jax.Array, w: jax.Array, spec: str, dtype, cpu_layouts: bool = False,
+          custom_vjp: bool = True) -> jax.Array:
+    """`dense_reference` with the custom backward (specs it does not cover keep the reference)."""
+    if not custom_vjp or _plan(spec) is None:
+        return dense_reference(x, w, spec, dtype)
+    return _dense_vjp(x, w, spec, jnp.dtype(dtype), cpu_layouts)
+
+
+class _Plan(NamedTuple):
+    x_free: str  # x's axes that stay (B, T): flattened to M
+    contract: str  # contracted axes in x's order: flattened to C
+    w_free: str  # w's axes that stay: flattened to N
+    w_perm: tuple[int, ...]  # w's axes -> (contract, w_free): w as a [C, N] matrix
+
+
+def _plan(spec: str) -> _Plan | None:
+    """A dense spec "x,w->x_free w_free" with x's contracted axes trailing, or None."""
+    try:
+        ins, out = spec.replace(" ", "").split("->")
+        xs, ws = ins.split(",")
+    except ValueError:
+        return None
+    contract = "".join(c for c in xs if c in ws)
+    x_free = "".join(c for c in xs if c not in ws)
+    w_free = "".join(c for c in ws if c not in xs)
+    if (len(set(xs + ws)) != len(xs) + len(ws) - len(contract) or not contract
+            or xs != x_free + contract or out != x_free + w_free
+            or any(c in contract for c in out)):
+        return None
+    return _Plan(x_free, contract, w_free, tuple(ws.index(c) for c in contract + w_free))
+
+
+def physical_swap(a: jax.Array, cpu_layouts: bool) -> jax.Array:
+    """Swap the last two axes; with `cpu_layouts`, materialised in row-major order.
+
+    XLA would otherwise fold a transpose into the dot's dimension numbers (or a layout change),
+    putting the contracted axis first: the slow path of the CPU's bf16 matmul. Going through an
+    array with the last two axes merged (one layout only) behind an optimisation barrier forces
+    the copy. Leading axes stay separate, so their sharding (batch, heads) survives.
+    """
+    if not cpu_layouts:
+        return jnp.swapaxes(a, -1, -2)
+    *lead, M, N = a.shape
+    return jax.lax.optimization_barrier(
+        jnp.swapaxes(a, -1, -2).reshape(*lead, N * M)).reshape(*lead, N, M)
+
+
+def mm(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dense_vjp(x, w, spec, dtype, cpu_layouts):
+    return _dense_fwd(x, w, spec, dtype, cpu_layouts)[0]
+
+
+def _dense_fwd(x, w, spec, dtype, cpu_layouts):
+    # Zero-size arrays carry the primal shapes and dtypes to the backward pass for free.
+    shapes = (jnp.zeros((*x.shape, 0), x.dtype), jnp.zeros((*w.shape, 0), w.dtype))
+    x, w = x.astype(dtype), w.astype(dtype)
+    if not cpu_layouts:  # GPU/TPU matmuls take any layout; the original axes keep their sharding
+        return mm(x, w, spec), (x, w, shapes)
+    p = _plan(spec)
+    n_free = len(p.x_free)
+    x_MC = x.reshape(math.prod(x.shape[:n_free]), -1)
+    w_t = jnp.transpose(w, p.w_perm)  # weight-sized; the identity for most specs
+    w_CN = w_t.reshape(x_MC.shape[1], -1)
+    y = mm(x_MC, w_CN, "mc,cn->mn").reshape(*x.shape[:n_free], *w_t.shape[len(p.contract):])
+    return y, (x_MC, w_CN, shapes)
+
+
+def _dense_bwd(spec, dtype, cpu_layouts, res, g):
+    """dx = g @ w.T and dw = x.T @ g in the compute dtype; on CPU as `a @ b` / `a @ b.T` products.
+
+    The cotangent is rounded to the compute dtype (as it would be for a bf16 result). The weight
+    gradient contracts over the M rows of both operands, the layout the CPU's fast kernels lack;
+    there it is computed from a physically transposed copy of the narrower of x and g (an
+    [M, min(C, N)] copy, cheap next to the 2*M*C*N FLOP product), and a weight-sized result is
+    transposed back.
+    """
+    x_res, w_res, (x_shape, w_shape) = res
+    g = g.astype(dtype)
+    if not cpu_layouts:
+        xs, ws, out = spec.replace(" ", "").replace("->", ",").split(",")
+        dx, dw = mm(g, w_res, f"{out},{ws}->{xs}"), mm(x_res, g, f"{xs},{out}->{ws}")
+        return dx.astype(x_shape.dtype), dw.astype(w_shape.dtype)
+    p = _plan(spec)
+    (M, C), N = x_res.shape, w_res.shape[1]
+    g_MN = g.reshape(M, N)
+    dx_MC = mm(g_MN, w_res, "mn,cn->mc")
+    # The barriers keep XLA from folding the transposes that follow into the dot by swapping its
+    # operands, which would bring back the slow layout (and XLA:CPU's fallback dot has no
+    # bf16 x bf16 -> f32 kernel: it fails at run time).
+    if C <= N:
+        dw_CN = jax.lax.optimization_barrier(mm(physical_swap(x_res, True), g_MN, "cm,mn->cn"))
+    else:
+        dw_CN = jax.lax.optimization_barrier(mm(physical_swap(g_MN, True), x_res, "nm,mc->nc")).T
+    w_t_shape = tuple(w_shape.shape[i] for i in p.w_perm)
+    inv = tuple(p.w_perm.index(i) for i in range(len(p.w_perm)))
+    dw = jnp.transpose(dw_CN.reshape(w_t_shape), inv).astype(w_shape.dtype)
+    dx = dx_MC.reshape(x_shape.shape[:-1]).astype(x_shape.dtype)
+    return dx, dw
+
+
+_dense_vjp.defvjp(_dense_fwd, _dense_bwd)

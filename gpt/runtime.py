@@ -1,0 +1,66 @@
+"""Run-time choices, made once before anything is traced: how this machine computes the model.
+
+`ModelConfig` holds what the user asked for (`--dtype=auto`, `--attention=auto`, ...); `Runtime`
+holds what that resolves to on the current backend: the compute dtype, the attention kernel of the
+training/prefill path and of the cached (masked) path, and whether to force the CPU's fast matmul
+layouts. The model receives a `Runtime` when it is built and passes its fields down as arguments,
+so no traced code asks which backend it runs on, and tests pick a kernel by building a `Runtime`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gpt.config import ModelConfig
+from gpt.ops.attention import ATTENTION_BLOCK
+
+_USER_ATTENTION = {"einsum": "reference", "xla": "xla", "cudnn": "cudnn"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    dtype: jnp.dtype  # compute dtype of the matmuls (parameters stay float32)
+    attention: str  # no cache (training, eval): reference | blocked | xla | cudnn
+    cached_attention: str  # with a KV cache and its mask: reference | xla | cudnn
+    cpu_layouts: bool  # flattened operands and physical transposes for the CPU's fast kernels
+    attention_block: int = ATTENTION_BLOCK  # query rows per block of the blocked kernel
+    dense_vjp: bool = True  # dense layers with the hand-written backward (False: plain autodiff)
+
+
+def compute_dtype(choice: str, backend: str | None = None) -> jnp.dtype:
+    """--dtype: float32 on CPU and bfloat16 on GPU/TPU for auto, else as given."""
+    if choice == "auto":
+        backend = backend or jax.default_backend()
+        return jnp.dtype(jnp.float32 if backend == "cpu" else jnp.bfloat16)
+    return jnp.dtype(choice)
+
+
+def training_attention(choice: str, dtype: jnp.dtype, head_dim: int, backend: str) -> str:
+    """The kernel of the uncached (causal) path for --attention=auto|xla|cudnn|einsum.
+
+    On CPU the blocked kernel beat `jax.nn.dot_product_attention` in both dtypes. On a GPU, JAX left
+    to itself (`implementation=None`) picks XLA, which materialises the [B, H, T, T] scores: 40% of
+    a GPT-2 step on an H100; so auto takes cuDNN's flash attention where it applies (16-bit, head
+    dim a multiple of 8 up to 128) and XLA elsewhere (figures: BENCHMARKS.md).
+    """
+    if choice != "auto":
+        return _USER_ATTENTION[choice]
+    if backend == "cpu":
+        return "blocked"
+    cudnn_ok = (backend == "gpu" and dtype in (jnp.bfloat16, jnp.float16)
+                and head_dim % 8 == 0 and head_dim <= 128)
+    return "cudnn" if cudnn_ok else "xla"
+
+
+def resolve(cfg: ModelConfig, backend: str | None = None, **override) -> Runtime:
+    """The Runtime for `cfg` on `backend` (default: JAX's default backend); `override` replaces
+    resolved fields (tests: another kernel, a smaller attention block, the GPU's layouts on CPU)."""
+    backend = backend or jax.default_backend()
+    dtype = compute_dtype(cfg.dtype, backend)
+    rt = Runtime(dtype=dtype,
+                 attention=training_attention(cfg.attention, dtype, cfg.head_dim, backend),
+                 cached_attention=_USER_ATTENTION.get(cfg.attention, "xla"),
+                 cpu_layouts=backend == "cpu")
+    return dataclasses.replace(rt, **override)
