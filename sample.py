@@ -53,47 +53,55 @@ def main(argv: Sequence[str]) -> int:
               f"{model.cfg.block_size}; conditioning on the last {model.cfg.block_size} tokens "
               f"as nanoGPT does", file=sys.stderr)
     sampler = Sampler(model, settings_from(cfg, tok.eot_id))
-    stream = cfg.stream and cfg.num_samples == 1
     state = sampler.start([prompt] * cfg.num_samples, jax.random.key(cfg.seed))
-    prompt_text = tok.decode(prompt)
-    hold = max((len(s) for s in cfg.stop), default=1) - 1  # a stop string may straddle chunks
+    texts = lambda state: row_texts(sampler, state, prompt, tok, cfg)
+    if cfg.stream and cfg.num_samples == 1:
+        stream_one(sampler, state, tok.decode(prompt), texts, cfg.stop)
+    else:
+        print_all(sampler, state, tok.decode(prompt), texts)
+    return 0
 
-    def texts(state) -> list[tuple[str, bool]]:
-        """Each row's new text, cut at a stop string or end-of-text, and whether it has ended."""
-        out = []
-        for row in sampler.new_tokens(state, [prompt] * cfg.num_samples):
-            ended = tok.eot_id is not None and bool(row) and row[-1] == tok.eot_id
-            text = tok.decode(row[:-1] if ended else row)
-            cut = min((text.find(s) for s in cfg.stop if s in text), default=-1)
-            out.append((text[:cut], True) if cut >= 0 else (text, ended))
-        return out
 
-    if stream:
-        sys.stdout.write(prompt_text)
-        printed = 0
-        for state in sampler.chunks(state):
-            (text, stopped), = texts(state)
-            # Hold back what might be the start of a stop string or of a multi-byte character.
-            safe = len(text) if stopped else len(text.rstrip("\ufffd")) - hold
-            if safe > printed:
-                sys.stdout.write(text[printed:safe])
-                sys.stdout.flush()
-                printed = safe
-            if stopped:
-                break
-        (text, _), = texts(state)
-        sys.stdout.write(text[printed:] + "\n")
-        return 0
+def row_texts(sampler, state, prompt: list[int], tok, cfg) -> list[tuple[str, bool]]:
+    """Each row's new text, cut at a stop string or end-of-text, and whether it has ended."""
+    out = []
+    for row in sampler.new_tokens(state, [prompt] * cfg.num_samples):
+        ended = tok.eot_id is not None and bool(row) and row[-1] == tok.eot_id
+        text = tok.decode(row[:-1] if ended else row)
+        cut = min((text.find(s) for s in cfg.stop if s in text), default=-1)
+        out.append((text[:cut], True) if cut >= 0 else (text, ended))
+    return out
+
+
+def stream_one(sampler, state, prompt_text: str, texts, stop: list[str]) -> None:
+    """Print one sample as it is decoded, chunk by chunk."""
+    hold = max((len(s) for s in stop), default=1) - 1  # a stop string may straddle chunks
+    sys.stdout.write(prompt_text)
+    printed = 0
+    for state in sampler.chunks(state):
+        (text, stopped), = texts(state)
+        # Hold back what might be the start of a stop string or of a multi-byte character.
+        safe = len(text) if stopped else len(text.rstrip("\ufffd")) - hold
+        if safe > printed:
+            sys.stdout.write(text[printed:safe])
+            sys.stdout.flush()
+            printed = safe
+        if stopped:
+            break
+    (text, _), = texts(state)
+    sys.stdout.write(text[printed:] + "\n")
+
+
+def print_all(sampler, state, prompt_text: str, texts) -> None:
+    """Decode every row to its end, then print the samples separated by a rule."""
     final = None
     for final in sampler.chunks(state):
         if all(stopped for _, stopped in texts(final)):
             break
-    results = texts(final if final is not None else state)
-    for i, (text, _) in enumerate(results):
+    for i, (text, _) in enumerate(texts(final if final is not None else state)):
         if i:
             print("---------------")
         print(prompt_text + text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
 Models are randomly initialised (vocabulary 65 for the char configs, 50257 for gpt2). For each
 config and batch size it reports the prefill time (the prompt through the model, filling the cache),
 decode tokens/s (batch x new tokens / decode time, the sampler's jitted scan) and, for the batch
-sizes in --baseline_batches, the no-cache baseline (gpt.sampling.full_recompute_generate, which
+sizes in --baseline_batches, the no-cache baseline (bench/nocache.py: full_recompute_generate, which
 re-runs the whole context per token; one row at a time, so its tokens/s at batch B is its batch-1
 rate). Compile time is excluded everywhere: each function runs once to warm up, then --reps times
 (median). The baseline decodes --baseline_tokens tokens (default: --new_tokens) after a warm-up run
@@ -41,7 +41,8 @@ from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import PRESETS, ModelConfig, validate_model  # noqa: E402
 from gpt.model import GPT, num_params  # noqa: E402
 from gpt.runtime import compute_dtype  # noqa: E402
-from gpt.sampling import SamplingSettings, decode, full_recompute_generate, prefill  # noqa: E402
+from bench.nocache import full_recompute_generate  # noqa: E402
+from gpt.sampling import SamplingSettings, decode, prefill  # noqa: E402
 
 ARCH = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 CHAR_VOCAB = 65

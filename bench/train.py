@@ -36,7 +36,7 @@ from flax import nnx  # noqa: E402
 from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import ModelConfig, TrainConfig, build, validate_model, validate_train  # noqa: E402
 from gpt.errors import UserError  # noqa: E402
-from gpt.model import GPT, flops_per_token, num_params  # noqa: E402
+from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
 from gpt.runtime import compute_dtype  # noqa: E402
 from gpt.train import make_optimizer, make_train_step  # noqa: E402
 
@@ -78,7 +78,7 @@ class Variant:
         self.m, self.t = m, t
         A, B, T = t.gradient_accumulation_steps, t.batch_size, m.block_size
         self.tokens_per_step = A * B * T
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(m, rngs=nnx.Rngs(t.seed))))
+        graphdef = nnx.graphdef(abstract_model(m, t.seed))
         self.params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed)))))()
         tx = make_optimizer(t)
         self.opt_state = jax.jit(tx.init)(self.params)

@@ -147,9 +147,6 @@ class Checkpointer:
                         f"{hint} (or choose another --out_dir) and continue with --init_from=resume; "
                         f"the previous checkpoints are intact (steps {kept})") from None
 
-    def wait(self) -> None:
-        self._finish()
-
     def close(self) -> None:
         try:
             self._finish()
@@ -291,14 +288,14 @@ def load_model(out_dir: str | Path, dtype: str = "auto", step: int | None = None
     from flax import nnx
 
     from gpt.config import model_from_dict
-    from gpt.model import GPT, abstract_params
+    from gpt.model import abstract_model, abstract_params
     from gpt.tokenizer import load_tokenizer
 
     if not list_steps(out_dir):
         raise UserError(describe_missing(out_dir))
     _, meta = read_meta(out_dir, step)
     cfg = dataclasses.replace(model_from_dict(meta["config"]["model"]), dtype=dtype, dropout=0.0)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    graphdef = nnx.graphdef(abstract_model(cfg))
     s, params, _, meta = Checkpointer(out_dir, read_only=True).restore(abstract_params(cfg), step=step)
     if "tokenizer" not in meta:
         raise UserError(f"the checkpoint in {out_dir} records no tokenizer; re-create it with "

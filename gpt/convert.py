@@ -21,7 +21,6 @@ Layout (HF's Conv1D weights are [in, out], the same orientation as ours):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -34,7 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from gpt.config import ModelConfig, to_dict, validate_model
-from gpt.errors import UserError, run_main
+from gpt.errors import ArgParser, UserError, run_main
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -426,13 +425,8 @@ def _leaves(tree):
         yield tree
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit status 2 via run_main
-        raise UserError(f"{message} (see python -m gpt.convert --help)")
-
-
 def main(argv: Sequence[str]) -> int:
-    p = _Parser(prog="python -m gpt.convert",
+    p = ArgParser(prog="python -m gpt.convert",
                 description="Convert between Hugging Face GPT-2 (safetensors) and our checkpoints.")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--from_hf", metavar="HF_DIR",

@@ -36,7 +36,6 @@ checkpoints as JSON; each process of a multi-host run takes its rows of the same
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import json
@@ -53,8 +52,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from gpt.errors import UserError, run_main
-from gpt.tokenizer import (REPO_ROOT, Tokenizer, atomic_write_bytes, build_tokenizer, load_tokenizer,
+from gpt.errors import ArgParser, UserError, run_main
+from gpt.tokenizer import (Tokenizer, atomic_write_bytes, build_tokenizer, load_tokenizer,
                            parse_name)
 
 FORMAT_VERSION = 1
@@ -336,47 +335,21 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str, out_dir: str | 
     workers: parallel tokenizer workers (default: all cores); backend: "auto" | "process" |
     "thread" (see `_make_executor`).
     """
-    parse_name(tokenizer)  # unknown tokenizer: fail before touching anything
-    if backend not in BACKENDS:
-        raise UserError(f"backend {backend!r} is not valid; use one of {', '.join(BACKENDS)}")
-    if errors not in ("strict", "replace"):
-        raise UserError(f"errors={errors!r} is not valid; use strict or replace")
-    if not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
-        raise UserError(f"val_fraction={val_fraction!r} must be in [0, 1), e.g. 0.1")
+    _check_prepare_args(tokenizer, backend, errors, val_fraction)
     workers = (os.cpu_count() or 1) if workers is None else int(workers)
     sources = _sources(resolve_inputs(inputs, include))
     total = sum(s.size for s in sources)
     if total == 0:
         raise UserError(f"the corpus is empty ({len(sources)} file(s), 0 bytes); pass non-empty text files")
     cut = val_cut(total, val_fraction)
-
     out_dir = Path(out_dir)
     stage, created = _staging_dir(out_dir)
     try:
-        # Learn the vocabulary (char: all text; bpe: train split only, so val stays unseen).
-        if tokenizer == "gpt2":
-            tok = build_tokenizer(tokenizer, None, stage)
-        elif tokenizer == "char":
-            tok = build_tokenizer(tokenizer, (t for _, _, t in iter_corpus(sources, errors, cut)), stage)
-        else:
-            train_texts = (t for split, _, t in iter_corpus(sources, errors, cut) if split == "train")
-            tok = build_tokenizer(tokenizer, train_texts, stage)
+        tok = _learn_tokenizer(tokenizer, sources, errors, cut, stage)
         dtype = token_dtype(tok.vocab_size)
-
         hashers = [hashlib.sha256() for _ in sources]
         stream = iter_corpus(sources, errors, cut, eot=tok.eot_id is not None, hashers=hashers)
-        executor = _make_executor(backend, workers, total, tok, stage)
-        try:
-            with open(stage / "train.bin", "wb") as ftrain, open(stage / "val.bin", "wb") as fval:
-                counts = _tokenize_to_files(stream, tok, dtype, {"train": ftrain, "val": fval}, executor,
-                                            workers)
-                for f in (ftrain, fval):
-                    f.flush()
-                    os.fsync(f.fileno())
-        finally:
-            if executor is not None:
-                executor.shutdown(cancel_futures=True)
-
+        counts = _write_splits(stream, tok, dtype, stage, backend, workers, total)
         meta = {
             "format_version": FORMAT_VERSION,
             "tokenizer": tok.spec,
@@ -390,12 +363,7 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str, out_dir: str | 
             "bytes_per_token": {s: (round(counts[s]["bytes"] / counts[s]["tokens"], 4)
                                     if counts[s]["tokens"] else None) for s in SPLITS},
         }
-        # Publish: drop any old meta.json first so old meta never describes new files, move the
-        # data and tokenizer files into place, and write meta.json last.
-        (out_dir / "meta.json").unlink(missing_ok=True)
-        for name in ["train.bin", "val.bin", *tok.files()]:
-            os.replace(stage / name, out_dir / name)
-        atomic_write_bytes(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+        _publish(stage, out_dir, ["train.bin", "val.bin", *tok.files()], meta)
         return meta
     except OSError as e:
         raise UserError(f"cannot read or write {e.filename or str(out_dir)!r} ({e.strerror}); check "
@@ -404,6 +372,51 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str, out_dir: str | 
         shutil.rmtree(stage, ignore_errors=True)
         if created and out_dir.is_dir() and not (out_dir / "meta.json").exists():
             shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _check_prepare_args(tokenizer: str, backend: str, errors: str, val_fraction: float) -> None:
+    parse_name(tokenizer)  # unknown tokenizer: fail before touching anything
+    if backend not in BACKENDS:
+        raise UserError(f"backend {backend!r} is not valid; use one of {', '.join(BACKENDS)}")
+    if errors not in ("strict", "replace"):
+        raise UserError(f"errors={errors!r} is not valid; use strict or replace")
+    if not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
+        raise UserError(f"val_fraction={val_fraction!r} must be in [0, 1), e.g. 0.1")
+
+
+def _learn_tokenizer(tokenizer: str, sources, errors: str, cut: int, stage: Path):
+    """The tokenizer; char learns from all the text, bpe from the train split only (val unseen)."""
+    if tokenizer == "gpt2":
+        return build_tokenizer(tokenizer, None, stage)
+    if tokenizer == "char":
+        return build_tokenizer(tokenizer, (t for _, _, t in iter_corpus(sources, errors, cut)), stage)
+    train_texts = (t for split, _, t in iter_corpus(sources, errors, cut) if split == "train")
+    return build_tokenizer(tokenizer, train_texts, stage)
+
+
+def _write_splits(stream, tok, dtype, stage: Path, backend: str, workers: int, total: int) -> dict:
+    """Tokenize the stream into stage/{train,val}.bin (fsynced); returns the per-split counts."""
+    executor = _make_executor(backend, workers, total, tok, stage)
+    try:
+        with open(stage / "train.bin", "wb") as ftrain, open(stage / "val.bin", "wb") as fval:
+            counts = _tokenize_to_files(stream, tok, dtype, {"train": ftrain, "val": fval}, executor,
+                                        workers)
+            for f in (ftrain, fval):
+                f.flush()
+                os.fsync(f.fileno())
+        return counts
+    finally:
+        if executor is not None:
+            executor.shutdown(cancel_futures=True)
+
+
+def _publish(stage: Path, out_dir: Path, names: list[str], meta: dict) -> None:
+    """Drop any old meta.json first so old meta never describes new files, move the data and
+    tokenizer files into place, and write meta.json last."""
+    (out_dir / "meta.json").unlink(missing_ok=True)
+    for name in names:
+        os.replace(stage / name, out_dir / name)
+    atomic_write_bytes(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
 
 
 def load_meta(data_dir: str | os.PathLike) -> dict:
@@ -485,29 +498,14 @@ def ensure_prepared(input_paths: Sequence[str | os.PathLike], tokenizer: str, ca
     return d
 
 
-def default_data_dir(root: str | os.PathLike = "data") -> Path:
-    """The bundled tiny-shakespeare, char-tokenized (nanoGPT's shakespeare_char), prepared on
-    first use into ``<root>/shakespeare_char``. A relative root is relative to the repo root."""
-    root = Path(root)
-    if not root.is_absolute():
-        root = REPO_ROOT / root
-    out = root / "shakespeare_char"
-    if not (out / "meta.json").is_file():
-        src = root / "shakespeare.txt"
-        if not src.is_file():
-            raise UserError(f"bundled corpus {str(src)!r} is missing; restore it from git or pass --data_dir")
-        prepare([src], "char", out)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Batches
-
 def _check_int(name: str, value, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
         raise UserError(f"{name}={value!r} must be an integer >= {lo}")
     return int(value)
 
+
+# ---------------------------------------------------------------------------------------------
+# Batches
 
 class Batches:
     """Random (x, y) windows from one split of a prepared data dir.
@@ -573,18 +571,11 @@ class Batches:
 # ---------------------------------------------------------------------------------------------
 # Command line
 
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports mistakes as one UserError line instead of usage + exit."""
-
-    def error(self, message: str):
-        raise UserError(f"{message}; see python -m gpt.data --help")
-
-
 def main(argv: Sequence[str]) -> int:
-    p = _ArgumentParser(prog="python -m gpt.data",
+    p = ArgParser(prog="python -m gpt.data",
                         description="Tokenize text files into train.bin/val.bin + meta.json for training.")
-    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="text files, folders (searched recursively) or glob patterns")
+    p.add_paths("--input", required=True,
+                help="text files, folders (searched recursively) or glob patterns")
     p.add_argument("--tokenizer", required=True, help="gpt2 | char | bpe:N (train a byte-level BPE with N tokens)")
     p.add_argument("--out_dir", required=True, help="data dir to write")
     p.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of the bytes used for validation")

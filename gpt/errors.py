@@ -5,6 +5,7 @@ Python traceback, while a genuine bug (any other exception) still does.
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import sys
 from typing import Callable, Sequence
@@ -48,3 +49,22 @@ def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | 
         where = f" while writing {e.filename}" if e.filename else ""
         fail(f"{e.strerror}{where}; free space on that disk or choose another output directory")
     sys.exit(code or 0)
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse for the module CLIs (gpt.data, gpt.convert, gpt.evaluate): a mistake is one
+    UserError line (exit status 2 through `run_main`), and path lists are taken as `train.py`
+    takes them: several values after the flag, comma-separated values, or the flag repeated."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+    def add_paths(self, flag: str, **kw) -> None:
+        self.add_argument(flag, nargs="+", action=_ExtendSplit, metavar="PATH", **kw)
+
+
+class _ExtendSplit(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, self.dest, None) or [])
+        items += [x for v in values for x in v.split(",") if x]
+        setattr(namespace, self.dest, items)

@@ -7,7 +7,6 @@ total bits by the UTF-8 bytes of the text, which makes models with different tok
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -16,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from gpt.errors import UserError, run_main
+from gpt.errors import ArgParser, UserError, run_main
 
 
 def score_tokens(model, ids: np.ndarray, batch_size: int = 8) -> tuple[float, int]:
@@ -71,15 +70,10 @@ def evaluate_text(out_dir: str, paths: Sequence[str], dtype: str = "auto", error
             "bpb": loss_sum / math.log(2) / n_bytes, "tokens": n_pred, "bytes": n_bytes}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UserError(f"{message} (see python -m gpt.evaluate --help)")
-
-
 def main(argv: Sequence[str]) -> int:
-    p = _Parser(prog="python -m gpt.evaluate", description=__doc__.splitlines()[0])
+    p = ArgParser(prog="python -m gpt.evaluate", description=__doc__.splitlines()[0])
     p.add_argument("--out_dir", default="out", help="training output dir holding checkpoints/")
-    p.add_argument("--input", nargs="+", required=True, help="text file(s), folder(s) or glob(s)")
+    p.add_paths("--input", required=True, help="text file(s), folder(s) or glob(s)")
     p.add_argument("--include", default="*.txt", help="file pattern inside folders")
     p.add_argument("--errors", default="strict", choices=["strict", "replace"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpt.tokenizer import atomic_write_bytes
+
 # Dense bf16 peak TFLOP/s by device kind (substring match on jax's device_kind).
 VENDOR_PEAK_BF16 = {
     "H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 125.0, "RTX 4090": 165.2,
@@ -131,7 +133,7 @@ class MetricsLog:
             # (A line torn by a crash mid-write is dropped too.)
             kept = [ln for ln in self.path.read_text().splitlines()
                     if (r := _parse_line(ln)) is not None and r.get("step", 0) <= resume_step]
-            _atomic_write(self.path, "".join(ln + "\n" for ln in kept))
+            atomic_write_bytes(self.path, "".join(ln + "\n" for ln in kept).encode())
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         if tensorboard:
@@ -187,12 +189,6 @@ class MetricsLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def to_host(tree: Any) -> Any:

@@ -199,14 +199,6 @@ def _unicode_to_byte() -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------
 # Ranks files
 
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def load_ranks(path: Path, expected_sha256: str | None) -> dict[bytes, int]:
     """Read a tiktoken ranks file (`base64(token) rank` per line), checking its sha256.
 

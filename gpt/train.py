@@ -30,11 +30,10 @@ from gpt import metrics as metrics_lib
 from gpt import sharding
 from gpt.config import ARCH_FIELDS, ModelConfig, TrainConfig, model_from_dict, to_dict
 from gpt.errors import UserError
-from gpt.model import GPT, abstract_params, flops_per_token, num_params
+from gpt.model import GPT, abstract_model, abstract_params, flops_per_token, num_params
 from gpt.runtime import compute_dtype
-from gpt.tokenizer import load_tokenizer
+from gpt.tokenizer import REPO_ROOT, load_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_CORPUS = REPO_ROOT / "data" / "shakespeare.txt"
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -88,11 +87,13 @@ def loss_fn(graphdef, params, x_BT, y_BT, dropout_key=None) -> jax.Array:
     return cross_entropy(logits_BTV, y_BT)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, seed: int, train_mode: bool = True):
+def make_train_step(graphdef, tx: optax.GradientTransformation, seed: int, train_mode: bool = True,
+                    lr: Callable[[jax.Array], jax.Array] | None = None):
     """(params, opt_state, step, x_ABT, y_ABT) -> (params, opt_state, step + 1, metrics).
 
     A is the number of gradient-accumulation micro-batches, summed inside the compiled step with a
-    scan so that the result equals one step on the concatenated batch.
+    scan so that the result equals one step on the concatenated batch. With `lr` (the optimizer's
+    schedule) the metrics include the learning rate this step applied.
     """
     base_key = jax.random.key(seed)
 
@@ -112,12 +113,36 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, seed: int, train
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = {"loss": jnp.mean(losses), "grad_norm": optax.global_norm(grads)}
+        if lr is not None:
+            metrics["lr"] = lr(step)
         return params, opt_state, step + 1, metrics
     return step_fn
 
 
 def make_eval_step(graphdef):
+    """(params, x_BT, y_BT) -> mean next-token loss, without dropout (also gpt.evaluate's)."""
     return lambda params, x_BT, y_BT: loss_fn(graphdef, params, x_BT, y_BT)
+
+
+def evaluate(eval_fn, params, data_dir: Path, meta: dict, shape: tuple[int, int], at_step: int,
+             t: TrainConfig, layout: tuple[int, int], place) -> dict[str, float | None]:
+    """Mean loss over `eval_iters` batches of each split, val perplexity and bits per byte.
+
+    The batches are a function of the step (as the training batches are), so a resumed run
+    evaluates exactly what an uninterrupted one would. `place` puts a host batch on the mesh.
+    """
+    (B, T), res = shape, {}
+    for split in ("train", "val"):
+        seed = t.seed + 1 + (split == "val")
+        batches = data_lib.Batches(data_dir, split, T, B, seed=seed, process_index=layout[0],
+                                   process_count=layout[1])
+        batches.restore({"seed": seed, "index": at_step * t.eval_iters})
+        losses = [eval_fn(params, *map(place, batches.next())) for _ in range(t.eval_iters)]
+        res[f"{split}_loss"] = float(np.mean([float(v) for v in losses]))
+    bpt = meta.get("bytes_per_token", {}).get("val")
+    res["val_ppl"] = math.exp(min(res["val_loss"], 50))
+    res["val_bpb"] = res["val_loss"] / math.log(2) / bpt if bpt else None
+    return res
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -131,7 +156,6 @@ class Setup:
     data_dir: Path
     meta: dict[str, Any]
     init_params: Any = None  # from --init_from=<dir>|gpt2
-    resume: tuple[int, Any, Any, dict] | None = None  # step, params, opt_state, meta
 
 
 def resolve_data(t: TrainConfig) -> Path:
@@ -242,183 +266,246 @@ class StopFlag:
             signal.signal(sig, old)
 
 
-def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]:
-    m, t = s.model_cfg, s.train_cfg
+@dataclasses.dataclass
+class State:
+    """What changes from step to step (and what a checkpoint holds)."""
+    params: Any
+    opt_state: Any
+    step: int = 0
+    best_val: float | None = None
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop uses, built once: the compiled steps, shardings, data and outputs."""
+    s: Setup
+    mesh: Any
+    step_fn: Callable
+    eval_fn: Callable
+    shardings: dict[str, Any]  # params, opt_state, batch (A, B, T), eval batch (B, T)
+    batches: data_lib.Batches
+    layout: tuple[int, int]  # this process's (index, count) in the batch rows
+    checkpointer: ckpt.Checkpointer
+    mlog: metrics_lib.MetricsLog
+    through: metrics_lib.Throughput
+
+
+def prepare_out_dir(t: TrainConfig) -> Path:
+    """Create out_dir (process 0), clear old checkpoints for --overwrite, and hold every process
+    until that is done (no process may look at out_dir before process 0 has set it up)."""
     out = Path(t.out_dir)
-    mesh = sharding.make_mesh(t.mesh)
-    sharding.check_divisibility(m, mesh, t.batch_size)
-    main = sharding.is_main_process()
-    if main:
+    if sharding.is_main_process():
         out.mkdir(parents=True, exist_ok=True)
-    if t.overwrite and t.init_from != "resume" and main:
-        ckpt.remove_all(out)
-    if jax.process_count() > 1:  # no process may look at out_dir before process 0 has set it up
+        if t.overwrite and t.init_from != "resume":
+            ckpt.remove_all(out)
+    if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("gpt_train_out_dir_ready")
+    return out
 
-    graphdef, params_shape = nnx.split(nnx.eval_shape(lambda: GPT(m, rngs=nnx.Rngs(t.seed))))
-    p_shard = sharding.param_shardings(nnx.to_pure_dict(params_shape), mesh)
-    tx = make_optimizer(t)
+
+def init_state(s: Setup, graphdef_model: GPT, tx, mesh) -> tuple[State, dict[str, Any]]:
+    """Parameters (fresh, or --init_from's) and optimizer state, created sharded on the mesh."""
+    m, t = s.model_cfg, s.train_cfg
+    p_shard = sharding.param_shardings(nnx.to_pure_dict(nnx.state(graphdef_model)), mesh)
     init_fn = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed)))),
                       out_shardings=p_shard)
     params = init_fn() if s.init_params is None else jax.device_put(s.init_params, p_shard)
-    opt_shape = jax.eval_shape(tx.init, params)
-    o_shard = sharding.like_params(opt_shape, p_shard, mesh)
+    o_shard = sharding.like_params(jax.eval_shape(tx.init, params), p_shard, mesh)
     opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
-    step = 0
+    return State(params, opt_state), {"params": p_shard, "opt_state": o_shard}
+
+
+def restore_state(checkpointer: ckpt.Checkpointer, m: ModelConfig, state: State,
+                  shards: dict[str, Any]) -> State:
+    """The newest complete checkpoint, restored onto the current mesh."""
+    abs_p = abstract_params(m, shards["params"])
+    abs_o = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                         jax.eval_shape(lambda: state.opt_state), shards["opt_state"])
+    step, params, opt_state, meta = checkpointer.restore(abs_p, abs_o)
+    return State(params, opt_state, step, meta.get("best_val_loss"))
+
+
+def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Run, State]:
+    """Model, state (fresh or resumed), compiled steps, data and outputs: all before step one."""
+    m, t = s.model_cfg, s.train_cfg
+    model_shape = abstract_model(m, t.seed)
+    graphdef = nnx.graphdef(model_shape)
+    tx = make_optimizer(t)
+    state, shards = init_state(s, model_shape, tx, mesh)
     checkpointer = ckpt.Checkpointer(out, keep=t.keep_checkpoints)
-    tokenizer = load_tokenizer(s.meta["tokenizer"], s.data_dir)
-
-    best_val = None
     if t.init_from == "resume":
-        abs_p = abstract_params(m, p_shard)
-        abs_o = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                             opt_shape, o_shard)
-        step, params, opt_state, meta_ck = checkpointer.restore(abs_p, abs_o)
-        best_val = meta_ck.get("best_val_loss")
-        log(f"resuming from step {step} in {out}")
-
-    n_params = num_params(m)
-    total_b, per_dev_b = sharding.state_bytes((params, opt_state))
-    log(f"{n_params / 1e6:.2f}M params; params+optimizer {total_b / 1e9:.3f} GB in all, "
+        state = restore_state(checkpointer, m, state, shards)
+        log(f"resuming from step {state.step} in {out}")
+    total_b, per_dev_b = sharding.state_bytes((state.params, state.opt_state))
+    log(f"{num_params(m) / 1e6:.2f}M params; params+optimizer {total_b / 1e9:.3f} GB in all, "
         f"{per_dev_b / 1e9:.3f} GB per device on {mesh.size} (mesh {dict(mesh.shape)}); "
         f"compute {compute_dtype(m.dtype).name}")
+    copy_tokenizer_files(s, out)
+    shards["batch"] = sharding.batch_sharding(mesh, ndim=3)
+    shards["eval"] = sharding.batch_sharding(mesh, ndim=2)
+    step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, m.dropout > 0, lr_schedule(t)),
+                      in_shardings=(shards["params"], shards["opt_state"], None, shards["batch"],
+                                    shards["batch"]),
+                      out_shardings=(shards["params"], shards["opt_state"], None, None),
+                      donate_argnums=(0, 1))
+    eval_fn = jax.jit(make_eval_step(graphdef), in_shardings=(shards["params"], shards["eval"],
+                                                               shards["eval"]))
+    layout = sharding.batch_process_layout(mesh)  # this process's block of the batch rows
+    batches = data_lib.Batches(s.data_dir, "train", m.block_size,
+                               t.batch_size * t.gradient_accumulation_steps, seed=t.seed,
+                               process_index=layout[0], process_count=layout[1])
+    batches.restore({"seed": t.seed, "index": state.step})
+    dtype = compute_dtype(m.dtype)
+    through = metrics_lib.Throughput(flops_per_token(m, m.block_size),
+                                     metrics_lib.measure_matmul_tflops(dtype),
+                                     metrics_lib.vendor_peak_tflops(dtype.name), mesh.size)
+    mlog = metrics_lib.MetricsLog(out, resume_step=state.step if t.init_from == "resume" else None,
+                                  enabled=sharding.is_main_process())
+    return Run(s, mesh, step_fn, eval_fn, shards, batches, layout, checkpointer, mlog,
+               through), state
 
-    # Copy the tokenizer's files next to the checkpoints so sampling needs nothing else.
-    if main:
-        for name in tokenizer.files():
+
+def copy_tokenizer_files(s: Setup, out: Path) -> None:
+    """The tokenizer's files next to the checkpoints, so sampling needs nothing else."""
+    if sharding.is_main_process():
+        for name in load_tokenizer(s.meta["tokenizer"], s.data_dir).files():
             (out / name).write_bytes((s.data_dir / name).read_bytes())
 
-    A = t.gradient_accumulation_steps
-    B, T = t.batch_size, m.block_size
-    pi, pc = sharding.batch_process_layout(mesh)  # this process's block of the batch rows
-    train_batches = data_lib.Batches(s.data_dir, "train", T, B * A, seed=t.seed,
-                                     process_index=pi, process_count=pc)
-    train_batches.restore({"seed": t.seed, "index": step})
-    x_shard = sharding.batch_sharding(mesh, ndim=3)
-    e_shard = sharding.batch_sharding(mesh, ndim=2)
 
-    step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=m.dropout > 0),
-                      in_shardings=(p_shard, o_shard, None, x_shard, x_shard),
-                      out_shardings=(p_shard, o_shard, None, None), donate_argnums=(0, 1))
-    eval_fn = jax.jit(make_eval_step(graphdef), in_shardings=(p_shard, e_shard, e_shard))
+def next_batch(run: Run) -> tuple[jax.Array, jax.Array]:
+    """The next [A, B, T] inputs and targets, placed on the mesh (this process's rows)."""
+    t = run.s.train_cfg
+    A, B, T = t.gradient_accumulation_steps, t.batch_size, run.s.model_cfg.block_size
+    x, y = run.batches.next()
+    rows = x.shape[0] // A
+    return tuple(sharding.global_batch(a.reshape(A, rows, T), run.shardings["batch"], (A, B, T))
+                 for a in (x, y))
 
-    def device_batch(batches) -> tuple[jax.Array, jax.Array]:
-        x, y = batches.next()
-        local_rows = x.shape[0] // A
-        x = x.reshape(A, local_rows, T)
-        y = y.reshape(A, local_rows, T)
-        shape = (A, B, T)
-        return sharding.global_batch(x, x_shard, shape), sharding.global_batch(y, x_shard, shape)
 
-    def evaluate(at_step: int) -> dict[str, float]:
-        res = {}
-        for split in ("train", "val"):
-            bt = data_lib.Batches(s.data_dir, split, T, B, seed=t.seed + 1 + (split == "val"),
-                                  process_index=pi, process_count=pc)
-            bt.restore({"seed": t.seed + 1 + (split == "val"), "index": at_step * t.eval_iters})
-            losses = []
-            for _ in range(t.eval_iters):
-                x, y = bt.next()
-                losses.append(eval_fn(params, sharding.global_batch(x, e_shard, (B, T)),
-                                      sharding.global_batch(y, e_shard, (B, T))))
-            res[f"{split}_loss"] = float(np.mean([float(v) for v in losses]))
-        bpt = s.meta.get("bytes_per_token", {}).get("val")
-        res["val_ppl"] = math.exp(min(res["val_loss"], 50))
-        res["val_bpb"] = res["val_loss"] / math.log(2) / bpt if bpt else None
-        return res
+def run_eval(run: Run, state: State, at_step: int) -> dict[str, float | None]:
+    t, m = run.s.train_cfg, run.s.model_cfg
+    shape = (t.batch_size, m.block_size)
+    place = lambda a: sharding.global_batch(a, run.shardings["eval"], shape)
+    return evaluate(run.eval_fn, state.params, run.s.data_dir, run.s.meta, shape, at_step, t,
+                    run.layout, place)
 
-    dtype_name = compute_dtype(m.dtype).name
-    ceiling = metrics_lib.measure_matmul_tflops(compute_dtype(m.dtype))
-    through = metrics_lib.Throughput(flops_per_token(m, T), ceiling,
-                                     metrics_lib.vendor_peak_tflops(dtype_name), mesh.size)
-    mlog = metrics_lib.MetricsLog(out, resume_step=step if t.init_from == "resume" else None,
-                                  enabled=main)
-    config_json = {"model": to_dict(m), "train": to_dict(t)}
 
-    def save(at_step: int, val_loss: float | None) -> None:
-        meta = {"format_version": ckpt.FORMAT_VERSION, "step": at_step, "config": config_json,
-                "tokenizer": s.meta["tokenizer"], "data_dir": str(s.data_dir.absolute()),
-                "data_state": {"seed": t.seed, "index": at_step},
-                "rng": np.asarray(jax.random.key_data(jax.random.key(t.seed))).tolist(),
-                "val_loss": val_loss, "best_val_loss": best_val}
-        checkpointer.save(at_step, params, opt_state, meta, val_loss)
+def save(run: Run, state: State, val_loss: float | None) -> None:
+    s = run.s
+    meta = {"format_version": ckpt.FORMAT_VERSION, "step": state.step,
+            "config": {"model": to_dict(s.model_cfg), "train": to_dict(s.train_cfg)},
+            "tokenizer": s.meta["tokenizer"], "data_dir": str(s.data_dir.absolute()),
+            "val_loss": val_loss, "best_val_loss": state.best_val}
+    run.checkpointer.save(state.step, state.params, state.opt_state, meta, val_loss)
 
-    stop = StopFlag()
-    progress = None
-    if main and t.progress:
-        from tqdm import tqdm
-        progress = tqdm(total=t.max_iters, initial=step, dynamic_ncols=True, file=sys.stderr,
-                        mininterval=1.0, disable=None)
+
+def host_metrics(metrics: dict, step: int) -> dict[str, float]:
+    """The step's metrics on the host (the only device->host sync); a non-finite loss stops."""
+    host = metrics_lib.to_host(metrics)
+    if not math.isfinite(host["loss"]):
+        raise UserError(f"the loss became {host['loss']} at step {step}; stopped without saving "
+                        f"(last good checkpoint kept); try a lower --learning_rate or --grad_clip=1.0")
+    return host
+
+
+class Progress:
+    """tqdm on process 0 (or plain log lines), and tokens/s between log points."""
+
+    def __init__(self, t: TrainConfig, start: int, log: Callable[[str], None]):
+        self.log, self.bar = log, None
+        if sharding.is_main_process() and t.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=t.max_iters, initial=start, dynamic_ncols=True, file=sys.stderr,
+                            mininterval=1.0, disable=None)
+        self.t0 = self.t_mark = time.perf_counter()
+        self.tokens = 0
+
+    def rate(self, through: metrics_lib.Throughput) -> dict[str, float | None]:
+        now = time.perf_counter()
+        rate = through(self.tokens, now - self.t_mark)
+        self.t_mark, self.tokens = now, 0
+        return rate
+
+    def show(self, host: dict, rate: dict) -> None:
+        if self.bar is not None:
+            mfu = f"{100 * rate['mfu']:.1f}%" if rate["mfu"] is not None else "-"
+            self.bar.set_postfix_str(f"loss {host['loss']:.4f} lr {host['lr']:.2e} tok/s "
+                                     f"{rate['tokens_per_sec']:,.0f} mfu {mfu}", refresh=False)
+
+    def write(self, msg: str) -> None:
+        self.bar.write(msg, file=sys.stderr) if self.bar is not None else self.log(msg)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def log_and_evaluate(run: Run, state: State, metrics: dict, prog: Progress, at_log: bool,
+                     at_eval: bool) -> tuple[float, dict | None]:
+    """Write the train record (at a log step) and run an evaluation (at an eval step)."""
+    host = host_metrics(metrics, state.step)
+    rate = prog.rate(run.through)
+    elapsed = time.perf_counter() - prog.t0
+    if at_log:
+        run.mlog.write({"kind": "train", "step": state.step, "loss": host["loss"], "lr": host["lr"],
+                        "grad_norm": host["grad_norm"], **rate, "elapsed_sec": elapsed})
+        prog.show(host, rate)
+    if not at_eval:
+        return host["loss"], None
+    ev = run_eval(run, state, state.step)
+    state.best_val = ev["val_loss"] if state.best_val is None else min(state.best_val, ev["val_loss"])
+    run.mlog.write({"kind": "eval", "step": state.step, **ev, "lr": host["lr"],
+                    "tokens_per_sec": rate["tokens_per_sec"], "mfu": rate["mfu"],
+                    "mfu_vendor": rate["mfu_vendor"], "elapsed_sec": elapsed})
+    run.mlog.plot()
+    prog.write(f"step {state.step}: train loss {ev['train_loss']:.4f}, val loss {ev['val_loss']:.4f}"
+               + (f", val bpb {ev['val_bpb']:.3f}" if ev["val_bpb"] else ""))
+    prog.t_mark = time.perf_counter()  # do not charge evaluation to throughput
+    return host["loss"], ev
+
+
+def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]:
+    """The loop: step, then log / evaluate / save where due; a signal saves and stops."""
+    t = s.train_cfg
+    mesh = sharding.make_mesh(t.mesh)  # the mesh is validated before anything touches out_dir
+    sharding.check_divisibility(s.model_cfg, mesh, t.batch_size)
+    run, state = build_run(s, mesh, prepare_out_dir(t), log)
+    tokens_per_step = t.gradient_accumulation_steps * t.batch_size * s.model_cfg.block_size
     ckpt_interval = t.ckpt_interval or t.eval_interval
-    summary: dict[str, Any] = {"start_step": step}
-    t_start = time.perf_counter()
-    t_log, tokens_since = time.perf_counter(), 0
-    last_metrics = None
-    train_losses: list[tuple[int, float]] = []
-    x, y = device_batch(train_batches)
+    summary: dict[str, Any] = {"start_step": state.step, "train_losses": []}
+    stop, prog = StopFlag(), Progress(t, state.step, log)
+    x, y = next_batch(run)
     try:
-        while step < t.max_iters:
-            params, opt_state, _, last_metrics = step_fn(params, opt_state, step, x, y)
-            step += 1
-            tokens_since += A * B * T
-            if step < t.max_iters:
-                x, y = device_batch(train_batches)  # prefetch while the step runs
-            at_log = step % t.log_interval == 0 or step == t.max_iters
-            at_eval = step % t.eval_interval == 0 or step == t.max_iters
-            stopping = stop.signal is not None  # read once: a signal arriving later stops a step later
-            at_ckpt = step % ckpt_interval == 0 or step == t.max_iters or stopping
+        while state.step < t.max_iters:
+            state.params, state.opt_state, _, metrics = run.step_fn(
+                state.params, state.opt_state, state.step, x, y)
+            state.step += 1
+            prog.tokens += tokens_per_step
+            last = state.step == t.max_iters
+            if not last:
+                x, y = next_batch(run)  # prefetch while the step runs
+            at_log = state.step % t.log_interval == 0 or last
+            at_eval = state.step % t.eval_interval == 0 or last
+            stopping = stop.signal is not None  # read once: a later signal stops a step later
+            at_ckpt = state.step % ckpt_interval == 0 or last or stopping
             if at_log or at_eval or at_ckpt:
-                host = metrics_lib.to_host(last_metrics)  # the only device->host sync
-                if not math.isfinite(host["loss"]):
-                    raise UserError(f"the loss became {host['loss']} at step {step}; stopped "
-                                    f"without saving (last good checkpoint kept); try a lower "
-                                    f"--learning_rate or --grad_clip=1.0")
-                train_losses.append((step, host["loss"]))
-                now = time.perf_counter()
-                rate = through(tokens_since, now - t_log)
-                t_log, tokens_since = now, 0
-                lr = float(lr_schedule(t)(step - 1))
-                rec = {"kind": "train", "step": step, "loss": host["loss"], "lr": lr,
-                       "grad_norm": host["grad_norm"], **rate,
-                       "elapsed_sec": now - t_start}
-                if at_log:
-                    mlog.write(rec)
-                    if progress is not None:
-                        mfu = f"{100 * rate['mfu']:.1f}%" if rate["mfu"] is not None else "-"
-                        progress.set_postfix_str(f"loss {host['loss']:.4f} lr {lr:.2e} "
-                                                 f"tok/s {rate['tokens_per_sec']:,.0f} mfu {mfu}",
-                                                 refresh=False)
-                val_loss = None
-                if at_eval:
-                    ev = evaluate(step)
-                    val_loss = ev["val_loss"]
-                    if best_val is None or val_loss < best_val:
-                        best_val = val_loss
-                    mlog.write({"kind": "eval", "step": step, **ev, "lr": lr,
-                                "tokens_per_sec": rate["tokens_per_sec"], "mfu": rate["mfu"],
-                                "mfu_vendor": rate["mfu_vendor"], "elapsed_sec": now - t_start})
-                    mlog.plot()
-                    msg = (f"step {step}: train loss {ev['train_loss']:.4f}, val loss "
-                           f"{ev['val_loss']:.4f}" + (f", val bpb {ev['val_bpb']:.3f}"
-                                                      if ev["val_bpb"] else ""))
-                    (progress.write(msg, file=sys.stderr) if progress is not None else log(msg))
-                    summary.update(ev)
-                    t_log = time.perf_counter()  # do not charge evaluation to throughput
+                loss, ev = log_and_evaluate(run, state, metrics, prog, at_log, at_eval)
+                summary["train_losses"].append((state.step, loss))
+                summary.update(ev or {})
                 if at_ckpt:
-                    save(step, val_loss)
-            if progress is not None:
-                progress.update(1)
+                    save(run, state, ev["val_loss"] if ev else None)
+            if prog.bar is not None:
+                prog.bar.update(1)
             if stopping:
-                log(f"\nreceived {signal.Signals(stop.signal).name}: saved step {step}; continue "
-                    f"with --init_from=resume")
+                log(f"\nreceived {signal.Signals(stop.signal).name}: saved step {state.step}; "
+                    f"continue with --init_from=resume")
                 break
     finally:
         stop.restore()
-        if progress is not None:
-            progress.close()
-        checkpointer.close()
-        mlog.close()
-    summary.update(step=step, train_losses=train_losses, best_val_loss=best_val,
-                   elapsed_sec=time.perf_counter() - t_start, interrupted=stop.signal is not None)
+        prog.close()
+        run.checkpointer.close()
+        run.mlog.close()
+    summary.update(step=state.step, best_val_loss=state.best_val, interrupted=stop.signal is not None,
+                   elapsed_sec=time.perf_counter() - prog.t0)
     return summary

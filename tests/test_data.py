@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gpt.data as data
-from gpt.data import (_PRINTABLE, FORMAT_VERSION, Batches, check_split_sizes, default_data_dir, ensure_prepared,
+from gpt.data import (_PRINTABLE, FORMAT_VERSION, Batches, check_split_sizes, ensure_prepared,
                       find_cut, load_meta, prepare, resolve_inputs, token_dtype)
 from gpt.errors import UserError
 from gpt.tokenizer import TiktokenTokenizer, build_tokenizer, load_tokenizer
@@ -329,16 +329,6 @@ def test_ensure_prepared_reuses(tmp_path, monkeypatch):
     write(src, SHAKESPEARE[:3001])  # content changed: new key
     assert ensure_prepared([tmp_path / "in"], "char", tmp_path / "cache") != d1
     assert len(calls) == 3
-
-
-def test_default_data_dir(tmp_path):
-    shutil.copy(REPO / "data" / "shakespeare.txt", tmp_path / "shakespeare.txt")
-    d = default_data_dir(tmp_path)
-    meta = load_meta(d)
-    assert d == tmp_path / "shakespeare_char" and meta["vocab_size"] == 65
-    assert (meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"]) == (1_003_854, 111_540)
-    mtime = (d / "meta.json").stat().st_mtime_ns
-    assert default_data_dir(tmp_path) == d and (d / "meta.json").stat().st_mtime_ns == mtime
 
 
 # ----- command line

@@ -92,7 +92,8 @@ def test_cached_greedy_equals_full_recompute_on_gpu():
     """KV-cached greedy decoding == re-running the whole context per token, on the GPU in float32
     at full matmul precision (TF32 would round the two paths differently)."""
     from gpt.model import GPT
-    from gpt.sampling import SamplingSettings, Sampler, full_recompute_generate
+    from bench.nocache import full_recompute_generate
+    from gpt.sampling import SamplingSettings, Sampler
     model = GPT(tiny_model_config(block_size=96, dtype="float32"), rngs=nnx.Rngs(3))
     s = SamplingSettings(max_new_tokens=64, temperature=0.0)
     rng = np.random.default_rng(0)

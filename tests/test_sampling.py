@@ -6,7 +6,8 @@ from flax import nnx
 
 from helpers import tiny_model_config
 from gpt.model import GPT
-from gpt.sampling import (SamplingSettings, Sampler, filter_logits, full_recompute_generate,
+from bench.nocache import full_recompute_generate
+from gpt.sampling import (SamplingSettings, Sampler, filter_logits,
                           generate, left_pad, sample_token)
 
 
