@@ -24,7 +24,7 @@ def _rel(a, b) -> float:
 
 def test_cudnn_attention_matches_reference_values_and_gradients():
     """cuDNN flash attention (bf16) against the float32 einsum reference, forward and backward."""
-    from gpt.model import attention_einsum, attention_fused, causal_mask
+    from gpt.ops.attention import attention_fused, attention_reference as attention_einsum, causal_mask
     B, T, H, K = 2, 256, 4, 64
     kq, kk, kv, kg = jax.random.split(jax.random.key(0), 4)
     q, k, v = (jax.random.normal(x, (B, T, H, K), jnp.float32) for x in (kq, kk, kv))
