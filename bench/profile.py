@@ -107,9 +107,7 @@ def decode_fn(args):
     cfg = bs.model_config(args.config, args.dtype)
     gd, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
     if args.weights == "compute":
-        dt = compute_dtype(cfg.dtype)
-        params = jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p,
-                              params)
+        params = bs.hold_in(params, compute_dtype(cfg.dtype))
     s = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0, top_k=200)
     prompt = jax.random.randint(jax.random.key(0), (args.batch, 16), 0, cfg.vocab_size, jnp.int32)
     state = jax.jit(lambda p: prefill(nnx.merge(gd, p), prompt, jnp.zeros((args.batch,), jnp.int32),

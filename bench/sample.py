@@ -73,8 +73,7 @@ def bench_config(name: str, args) -> list[dict]:
     gd, params = nnx.split(model)
     dtype = compute_dtype(cfg.dtype)
     if args.weights == "compute":
-        params = jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
-                              else p, params)
+        params = hold_in(params, dtype)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
     s = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0, top_k=200)
     P, N = args.prompt_len, args.new_tokens
@@ -111,6 +110,12 @@ def bench_config(name: str, args) -> list[dict]:
         print(f"{name:<17} {B:>5} {row['prefill_ms']:>11.1f} {row['decode_tokens_per_sec']:>12.1f} "
               f"{row['ms_per_step']:>9.2f} {base} {100 * row['bw_util']:>8.0f}%", flush=True)
     return rows
+
+
+def hold_in(params, dtype):
+    """The floating parameters cast once to `dtype` (what a decode step then reads per token)."""
+    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                        params)
 
 
 def bandwidth_bound(cfg: ModelConfig, B: int, context: float, weight_bytes: int, itemsize: int,
