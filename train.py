@@ -8,19 +8,17 @@ from gpt.errors import run_main
 
 
 def main(argv: Sequence[str]) -> int:
-    from gpt.config import ModelConfig, TrainConfig, build, help_text, validate_model, validate_train
+    from gpt.config import TRAIN_CLASSES, build_train, help_text
     if "-h" in argv or "--help" in argv:
-        print(help_text([ModelConfig, TrainConfig]))
+        print(help_text(TRAIN_CLASSES))
         return 0
-    (model_cfg, train_cfg), explicit = build([ModelConfig, TrainConfig], argv, default_preset="default")
-    validate_model(model_cfg)
-    validate_train(train_cfg)
+    model_cfg, compute_cfg, train_cfg, explicit = build_train(argv)
     from gpt import sharding
     if train_cfg.distributed or train_cfg.coordinator_address:
         sharding.init_distributed(train_cfg.coordinator_address, train_cfg.num_processes,
                                   train_cfg.process_id)
     from gpt import train
-    setup = train.prepare_setup(model_cfg, train_cfg, explicit)
+    setup = train.prepare_setup(model_cfg, compute_cfg, train_cfg, explicit)
     summary = train.train(setup)
     if "val_loss" in summary:
         sharding.log(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f}, "

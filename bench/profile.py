@@ -87,9 +87,9 @@ def train_step_fn(rest: list[str]):
     spec = importlib.util.spec_from_file_location("bench_train", REPO / "bench" / "train.py")
     bt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bt)
-    from gpt.config import ModelConfig, TrainConfig, build, validate_model, validate_train
-    (m, t), _ = build([ModelConfig, TrainConfig], rest, default_preset="default")
-    v = bt.Variant(validate_model(m), validate_train(t))
+    from gpt.config import build_train
+    m, c, t, _ = build_train(rest)
+    v = bt.Variant(m, c, t)
     counter = iter(range(10 ** 9))
     return lambda: v.run_step(next(counter), timed=False)
 
@@ -101,13 +101,11 @@ def decode_fn(args):
     spec = importlib.util.spec_from_file_location("bench_sample", REPO / "bench" / "sample.py")
     bs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bs)
-    from gpt.model import GPT
-    from gpt.runtime import compute_dtype
     from gpt.sampling import SamplingSettings, decode, prefill
-    cfg = bs.model_config(args.config, args.dtype)
-    gd, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+    cfg, model = bs.build_model(args.config, args.dtype)
+    gd, params = nnx.split(model)
     if args.weights == "compute":
-        params = bs.hold_in(params, compute_dtype(cfg.dtype))
+        params = bs.hold_in(params, model.rt.dtype)
     s = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0, top_k=200)
     prompt = jax.random.randint(jax.random.key(0), (args.batch, 16), 0, cfg.vocab_size, jnp.int32)
     state = jax.jit(lambda p: prefill(nnx.merge(gd, p), prompt, jnp.zeros((args.batch,), jnp.int32),

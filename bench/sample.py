@@ -38,9 +38,10 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from gpt import metrics as metrics_lib  # noqa: E402
-from gpt.config import PRESETS, ModelConfig, validate_model  # noqa: E402
+from gpt.config import (PRESETS, ComputeConfig, ModelConfig, validate_compute,  # noqa: E402
+                        validate_model)
 from gpt.model import GPT, num_params  # noqa: E402
-from gpt.runtime import compute_dtype  # noqa: E402
+from gpt.runtime import resolve  # noqa: E402
 from bench.nocache import full_recompute_generate  # noqa: E402
 from gpt.sampling import SamplingSettings, decode, prefill  # noqa: E402
 
@@ -48,11 +49,14 @@ ARCH = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 CHAR_VOCAB = 65
 
 
-def model_config(name: str, dtype: str) -> ModelConfig:
+def build_model(name: str, dtype: str) -> tuple[ModelConfig, GPT]:
+    """Preset `name`'s architecture with random weights, computed in `dtype`."""
     p = PRESETS[name]
     kw = {k: p[k] for k in ARCH if k in p}
     kw.setdefault("vocab_size", CHAR_VOCAB)  # the char presets take their vocabulary from the data
-    return validate_model(ModelConfig(**kw, dropout=0.0, dtype=dtype))
+    cfg = validate_model(ModelConfig(**kw))
+    rt = resolve(cfg, validate_compute(ComputeConfig(dtype=dtype)))
+    return cfg, GPT(cfg, rngs=nnx.Rngs(0), runtime=rt)
 
 
 def timed(fn, reps: int):
@@ -68,10 +72,9 @@ def timed(fn, reps: int):
 
 
 def bench_config(name: str, args) -> list[dict]:
-    cfg = model_config(name, args.dtype)
-    model = GPT(cfg, rngs=nnx.Rngs(0))
+    cfg, model = build_model(name, args.dtype)
     gd, params = nnx.split(model)
-    dtype = compute_dtype(cfg.dtype)
+    dtype = model.rt.dtype
     if args.weights == "compute":
         params = hold_in(params, dtype)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))

@@ -34,10 +34,10 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from gpt import metrics as metrics_lib  # noqa: E402
-from gpt.config import ModelConfig, TrainConfig, build, validate_model, validate_train  # noqa: E402
+from gpt.config import ComputeConfig, ModelConfig, TrainConfig, build_train, validate_compute  # noqa: E402
 from gpt.errors import UserError  # noqa: E402
 from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
-from gpt.runtime import compute_dtype  # noqa: E402
+from gpt.runtime import resolve  # noqa: E402
 from gpt.train import make_optimizer, make_train_step  # noqa: E402
 
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
@@ -74,15 +74,17 @@ def split_bench_args(argv: list[str]) -> tuple[dict, list[str]]:
 class Variant:
     """One compiled train step (one compute dtype) with its own parameters, optimizer and batches."""
 
-    def __init__(self, m: ModelConfig, t: TrainConfig):
+    def __init__(self, m: ModelConfig, c: ComputeConfig, t: TrainConfig):
         self.m, self.t = m, t
+        self.rt = rt = resolve(m, c)
         A, B, T = t.gradient_accumulation_steps, t.batch_size, m.block_size
         self.tokens_per_step = A * B * T
-        graphdef = nnx.graphdef(abstract_model(m, t.seed))
-        self.params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed)))))()
+        graphdef = nnx.graphdef(abstract_model(m, t.seed, rt))
+        self.params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed),
+                                                                     runtime=rt))))()
         tx = make_optimizer(t)
         self.opt_state = jax.jit(tx.init)(self.params)
-        step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=m.dropout > 0),
+        step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=rt.dropout > 0),
                           donate_argnums=(0, 1))
         rng = np.random.default_rng(t.seed)
         # Alternate two batches so no step sees a cached input.
@@ -108,7 +110,7 @@ class Variant:
             self.times.append(dt)
 
     def result(self, opts: dict) -> dict:
-        dtype = compute_dtype(self.m.dtype)
+        dtype = self.rt.dtype
         dtype_name = jnp.dtype(dtype).name
         step_sec = statistics.median(self.times)
         # The ceiling is measured after the steps, on a warm machine, in the compute dtype.
@@ -158,18 +160,17 @@ def bench(variants: list[Variant], opts: dict) -> list[dict]:
 def main(argv: list[str]) -> int:
     try:
         opts, rest = split_bench_args(argv)
-        (m, t), explicit = build([ModelConfig, TrainConfig], rest, default_preset="default")
+        m, c, t, explicit = build_train(rest)
         if "vocab_size" not in explicit and t.tokenizer == "char":
             m = dataclasses.replace(m, vocab_size=CHAR_VOCAB)
-        m, t = validate_model(m), validate_train(t)
-        dtypes = [d for d in opts["dtypes"].split(",") if d] or [m.dtype]
+        dtypes = [d for d in opts["dtypes"].split(",") if d] or [c.dtype]
         device = metrics_lib.device_name()
         print(f"device: {device}; jax {jax.__version__}")
         print(f"model: {num_params(m) / 1e6:.2f}M params, L={m.n_layer} H={m.n_head} D={m.n_embd} "
               f"T={m.block_size} V={m.vocab_size}; batch {t.batch_size} x accum "
-              f"{t.gradient_accumulation_steps}; dropout {m.dropout}; attention {m.attention}; "
-              f"remat {m.remat}")
-        variants = [Variant(validate_model(dataclasses.replace(m, dtype=d)), t) for d in dtypes]
+              f"{t.gradient_accumulation_steps}; dropout {c.dropout}; attention {c.attention}; "
+              f"remat {c.remat}")
+        variants = [Variant(m, validate_compute(dataclasses.replace(c, dtype=d)), t) for d in dtypes]
         runs = bench(variants, opts)
         for r in runs:
             vend = f"{100 * r['mfu_vendor']:.1f}%" if r["mfu_vendor"] is not None else "n/a"

@@ -283,19 +283,18 @@ def remove_all(out_dir: str | Path) -> None:
 
 def load_model(out_dir: str | Path, dtype: str = "auto", step: int | None = None):
     """(model, checkpoint meta, tokenizer) from the newest complete checkpoint of `out_dir`."""
-    import dataclasses
-
     from flax import nnx
 
-    from gpt.config import model_from_dict
+    from gpt.config import ComputeConfig, model_from_dict
     from gpt.model import abstract_model, abstract_params
+    from gpt.runtime import resolve
     from gpt.tokenizer import load_tokenizer
 
     if not list_steps(out_dir):
         raise UserError(describe_missing(out_dir))
     _, meta = read_meta(out_dir, step)
-    cfg = dataclasses.replace(model_from_dict(meta["config"]["model"]), dtype=dtype, dropout=0.0)
-    graphdef = nnx.graphdef(abstract_model(cfg))
+    cfg = model_from_dict(meta["config"]["model"])
+    graphdef = nnx.graphdef(abstract_model(cfg, runtime=resolve(cfg, ComputeConfig(dtype=dtype))))
     s, params, _, meta = Checkpointer(out_dir, read_only=True).restore(abstract_params(cfg), step=step)
     if "tokenizer" not in meta:
         raise UserError(f"the checkpoint in {out_dir} records no tokenizer; re-create it with "

@@ -22,22 +22,18 @@ from gpt.errors import UserError
 VOCAB_MULTIPLE = 128  # the embedding/LM head is padded to this multiple for fast matmuls
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
+    """The architecture: what a checkpoint stores and must reproduce (every field shapes the
+    parameters or the function they compute). How the model is run is `ComputeConfig`'s."""
     vocab_size: int = 50257
     block_size: int = 1024
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    dropout: float = 0.0
     bias: bool = True
     pos_embedding: str = "learned"  # learned (GPT-2) | sinusoidal (Vaswani et al.)
     activation: str = "gelu_tanh"  # gelu_tanh (GPT-2's "gelu_new") | gelu (exact, nanoGPT's nn.GELU)
-    # Runtime settings: they change how the model is computed, never its parameters.
-    dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU/TPU) | float32 | bfloat16
-    attention: str = "auto"  # auto | xla | cudnn | einsum (the plain reference implementation)
-    remat: str = "none"  # none | block | dots: activation rematerialisation per block
-    scan_layers: bool = False  # one compiled block applied with lax.scan (fast compile for deep models)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -48,9 +44,15 @@ class ModelConfig:
         return self.n_embd // self.n_head
 
 
-# Fields that define the parameters; a checkpoint's values must match the command line's.
-ARCH_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias", "pos_embedding",
-               "activation")
+@dataclass(frozen=True)
+class ComputeConfig:
+    """How the model is run on this machine: chosen per run, never stored as the architecture (a
+    resumed or fine-tuned run takes them from its own command line)."""
+    dropout: float = 0.0
+    dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU/TPU) | float32 | bfloat16
+    attention: str = "auto"  # auto | xla | cudnn | einsum (the plain reference implementation)
+    remat: str = "none"  # none | block | dots: activation rematerialisation per block
+    scan_layers: bool = False  # one compiled block applied with lax.scan (fast compile for deep models)
 
 
 @dataclass
@@ -331,13 +333,19 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     _check_positive(m, "vocab_size", "block_size", "n_layer", "n_head", "n_embd")
     if m.n_embd % m.n_head:
         raise UserError(f"--n_embd={m.n_embd} must be divisible by --n_head={m.n_head}")
-    if not 0.0 <= m.dropout < 1.0:
-        raise UserError(f"--dropout={m.dropout} must be in [0, 1)")
-    for name in ("pos_embedding", "activation", "dtype", "attention", "remat"):
+    for name in ("pos_embedding", "activation"):
         _check_choice(m, name)
     if m.pos_embedding == "sinusoidal" and m.n_embd % 2:
         raise UserError(f"--n_embd={m.n_embd} must be even for sinusoidal position embeddings")
     return m
+
+
+def validate_compute(c: ComputeConfig) -> ComputeConfig:
+    if not 0.0 <= c.dropout < 1.0:
+        raise UserError(f"--dropout={c.dropout} must be in [0, 1)")
+    for name in ("dtype", "attention", "remat"):
+        _check_choice(c, name)
+    return c
 
 
 def validate_train(t: TrainConfig) -> TrainConfig:
@@ -375,14 +383,31 @@ def validate_sample(s: SampleConfig) -> SampleConfig:
     return s
 
 
+TRAIN_CLASSES = (ModelConfig, ComputeConfig, TrainConfig)
+
+
+def build_train(argv: Sequence[str], default_preset: str | None = "default"
+                ) -> tuple[ModelConfig, ComputeConfig, TrainConfig, set[str]]:
+    """train.py's settings, validated: architecture, how it is computed, and the run."""
+    (m, c, t), explicit = build(TRAIN_CLASSES, argv, default_preset)
+    return validate_model(m), validate_compute(c), validate_train(t), explicit
+
+
 def to_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
 def model_from_dict(d: dict[str, Any]) -> ModelConfig:
-    """Rebuild a ModelConfig from JSON (a checkpoint's), ignoring keys this version does not know."""
+    """Rebuild a ModelConfig from JSON (a checkpoint's), ignoring keys it does not hold: checkpoints
+    written before the architecture was split from `ComputeConfig` also stored dtype, dropout, ..."""
     known = {f.name for f in fields(ModelConfig)}
     return validate_model(ModelConfig(**{k: v for k, v in d.items() if k in known}))
+
+
+def compute_from_dict(d: dict[str, Any]) -> ComputeConfig:
+    """Rebuild a ComputeConfig from JSON (a checkpoint's), ignoring keys it does not hold."""
+    known = {f.name for f in fields(ComputeConfig)}
+    return validate_compute(ComputeConfig(**{k: v for k, v in d.items() if k in known}))
 
 
 def help_text(classes: Sequence[type]) -> str:

@@ -121,7 +121,7 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
         if hf.get(key, want) != want:
             raise UserError(f"{where}: {key}={hf[key]!r} is not supported (GPT-2 uses {want})")
     cfg = ModelConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                      n_embd=n_embd, dropout=0.0, bias=True, pos_embedding="learned",
+                      n_embd=n_embd, bias=True, pos_embedding="learned",
                       activation=HF_ACTIVATIONS[act])
     try:
         return validate_model(cfg)
@@ -129,17 +129,18 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
         raise UserError(f"{where}: {e}") from None
 
 
-def hf_config(cfg: ModelConfig, eot_id: Any = _UNSET) -> dict[str, Any]:
-    """A GPT2Config dict for `cfg` (what GPT2LMHeadModel.save_pretrained writes)."""
+def hf_config(cfg: ModelConfig, eot_id: Any = _UNSET, dropout: float = 0.0) -> dict[str, Any]:
+    """A GPT2Config dict for `cfg` (what GPT2LMHeadModel.save_pretrained writes); `dropout` is the
+    rate the checkpoint was trained with (HF keeps it in the config)."""
     if eot_id is _UNSET:
         eot_id = GPT2_EOT if cfg.vocab_size == GPT2_VOCAB else cfg.vocab_size - 1
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
-        "attn_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout,
-        "resid_pdrop": cfg.dropout,
+        "attn_pdrop": dropout,
+        "embd_pdrop": dropout,
+        "resid_pdrop": dropout,
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
         "initializer_range": 0.02,
@@ -319,7 +320,7 @@ def hf_tensors(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray
 
 
 def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_id: Any = _UNSET,
-          overwrite: bool = False) -> Path:
+          dropout: float = 0.0, overwrite: bool = False) -> Path:
     """Write `config.json` + `model.safetensors` loadable by GPT2LMHeadModel.from_pretrained.
 
     The directory appears complete or not at all: both files are written into a temporary sibling
@@ -329,7 +330,7 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
     from safetensors.numpy import save_file
 
     tensors = hf_tensors(params, cfg)
-    config = hf_config(cfg, eot_id)
+    config = hf_config(cfg, eot_id, dropout)
     dest = Path(hf_dir).absolute()
     if dest.exists() and not dest.is_dir():
         raise UserError(f"{dest} exists and is not a directory; pass a new --hf_dir")
@@ -398,11 +399,13 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
 
 def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool = False) -> str:
     from gpt import checkpoint as ckpt
-    from gpt.config import model_from_dict
+    from gpt.config import compute_from_dict, model_from_dict
 
     step, meta = ckpt.read_meta(out_dir)
     try:
         cfg = model_from_dict(meta["config"]["model"])
+        # Checkpoints written before ComputeConfig existed kept the dropout in the model's config.
+        dropout = compute_from_dict(meta["config"].get("compute", meta["config"]["model"])).dropout
     except (KeyError, TypeError) as e:
         raise UserError(f"the checkpoint in {out_dir} (step {step}) has no model config ({e}); "
                         f"it is damaged") from None
@@ -412,7 +415,7 @@ def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool
     step, params, _, meta = reader.restore(abstract_params(cfg), step=step)
     tok = meta.get("tokenizer")
     eot = tok.get("eot_id") if isinstance(tok, dict) and "eot_id" in tok else _UNSET
-    dest = to_hf(params, cfg, hf_dir, eot_id=eot, overwrite=overwrite)
+    dest = to_hf(params, cfg, hf_dir, eot_id=eot, dropout=dropout, overwrite=overwrite)
     return f"exported step {step} of {out_dir} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, " \
            f"vocab {cfg.vocab_size}) to {dest}"
 

@@ -42,10 +42,9 @@ class KVCache(NamedTuple):
     start_B: jax.Array  # int32 [B]
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, start_B: jax.Array | None = None,
-               dtype=None) -> KVCache:
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype,
+               start_B: jax.Array | None = None) -> KVCache:
     shape = (cfg.n_layer, batch, max_len, cfg.n_head, cfg.head_dim)
-    dtype = dtype or runtime_lib.compute_dtype(cfg.dtype)
     start = jnp.zeros((batch,), jnp.int32) if start_B is None else jnp.asarray(start_B, jnp.int32)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.array(0, jnp.int32), start)
 
@@ -132,15 +131,15 @@ class Block(nnx.Module):
                        for c, new in zip(kv, (k_BTHK, v_BTHK)))
             (k_BSHK, v_BSHK), impl = kv, rt.cached_attention
         y_BTHK = attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl, cpu_layouts=rt.cpu_layouts,
-                           rate=cfg.dropout, key=keys[0], block=rt.attention_block)
+                           rate=rt.dropout, key=keys[0], block=rt.attention_block)
         attn_BTD = mm(y_BTHK, self.w_o[...], "bthk,hkd->btd") + _bias(self.b_o)
-        x_BTD = x_BTD + dropout(attn_BTD, cfg.dropout, keys[1])
+        x_BTD = x_BTD + dropout(attn_BTD, rt.dropout, keys[1])
 
         h_BTD = layer_norm(x_BTD, self.ln2_scale[...], _value(self.ln2_bias))
         h_BTF = jax.nn.gelu(mm(h_BTD, self.w_fc[...], "btd,df->btf") + _bias(self.b_fc),
                             approximate=cfg.activation == "gelu_tanh")
         mlp_BTD = mm(h_BTF, self.w_proj[...], "btf,fd->btd") + _bias(self.b_proj)
-        return x_BTD + dropout(mlp_BTD, cfg.dropout, keys[2]), kv
+        return x_BTD + dropout(mlp_BTD, rt.dropout, keys[2]), kv
 
 
 def _stack_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -182,7 +181,7 @@ class GPT(nnx.Module):
         x_BTD = x_BTD + (self.wpe[...][positions_BT] if self.wpe is not None
                          else sinusoidal(positions_BT, cfg.n_embd))
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        x_BTD = dropout(x_BTD, cfg.dropout, keys[0])
+        x_BTD = dropout(x_BTD, self.rt.dropout, keys[0])
         x_BTD, cache = self._layers(x_BTD, cache, mask_BTS, keys[1])
         x_BTD = layer_norm(x_BTD, self.lnf_scale[...], _value(self.lnf_bias))
         rt = self.rt
@@ -203,12 +202,12 @@ class GPT(nnx.Module):
             block = nnx.merge(graphdef, layer_state)
             return block(x_BTD, kv, mask_BTS, index, cfg, rt, layer_key)
 
-        if cfg.remat in REMAT_POLICIES:
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat])
+        if rt.remat in REMAT_POLICIES:
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[rt.remat])
         kv_L = None if cache is None else (cache.k_LBSHK, cache.v_LBSHK)
         L = cfg.n_layer
         x_BTD, kv_L = jax.lax.scan(body, x_BTD, (state, jnp.arange(L), kv_L),
-                                   unroll=1 if cfg.scan_layers else L)
+                                   unroll=1 if rt.scan_layers else L)
         if cache is not None:
             cache = KVCache(*kv_L, cache.index + x_BTD.shape[1], cache.start_B)
         return x_BTD, cache
@@ -239,9 +238,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     return 6 * num_params(cfg, include_position=False) + 12 * cfg.n_layer * T * cfg.n_embd
 
 
-def abstract_model(cfg: ModelConfig, seed: int = 0) -> GPT:
+def abstract_model(cfg: ModelConfig, seed: int = 0, runtime: Runtime | None = None) -> GPT:
     """The model with shapes and dtypes only (no memory): its graphdef and parameter shapes."""
-    return nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(seed)))
+    return nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(seed), runtime=runtime))
 
 
 def abstract_params(m: ModelConfig, shardings=None):

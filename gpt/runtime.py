@@ -1,9 +1,9 @@
 """Run-time choices, made once before anything is traced: how this machine computes the model.
 
-`ModelConfig` holds what the user asked for (`--dtype=auto`, `--attention=auto`, ...); `Runtime`
-holds what that resolves to on the current backend: the compute dtype, the attention kernel of the
-training/prefill path and of the cached (masked) path, and whether to force the CPU's fast matmul
-layouts. The model receives a `Runtime` when it is built and passes its fields down as arguments,
+`ComputeConfig` holds what the user asked for (`--dtype=auto`, `--attention=auto`, ...); `Runtime`
+holds what that resolves to on the current backend for a given architecture: the compute dtype, the
+attention kernel of the training/prefill path and of the cached (masked) path, whether to force the
+CPU's fast matmul layouts, and the per-run settings the model needs (dropout, remat, scan). The model receives a `Runtime` when it is built and passes its fields down as arguments,
 so no traced code asks which backend it runs on, and tests pick a kernel by building a `Runtime`.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gpt.config import ModelConfig
+from gpt.config import ComputeConfig, ModelConfig
 from gpt.ops.attention import ATTENTION_BLOCK
 
 _USER_ATTENTION = {"einsum": "reference", "xla": "xla", "cudnn": "cudnn"}
@@ -25,6 +25,9 @@ class Runtime:
     attention: str  # no cache (training, eval): reference | blocked | xla | cudnn
     cached_attention: str  # with a KV cache and its mask: reference | xla | cudnn
     cpu_layouts: bool  # flattened operands and physical transposes for the CPU's fast kernels
+    dropout: float = 0.0  # rate of every dropout layer (0: none, and no keys are needed)
+    remat: str = "none"  # none | block | dots
+    scan_layers: bool = False  # rolled layer loop (else unrolled)
     attention_block: int = ATTENTION_BLOCK  # query rows per block of the blocked kernel
     dense_vjp: bool = True  # dense layers with the hand-written backward (False: plain autodiff)
 
@@ -54,13 +57,17 @@ def training_attention(choice: str, dtype: jnp.dtype, head_dim: int, backend: st
     return "cudnn" if cudnn_ok else "xla"
 
 
-def resolve(cfg: ModelConfig, backend: str | None = None, **override) -> Runtime:
-    """The Runtime for `cfg` on `backend` (default: JAX's default backend); `override` replaces
-    resolved fields (tests: another kernel, a smaller attention block, the GPU's layouts on CPU)."""
+def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str | None = None,
+            **override) -> Runtime:
+    """The Runtime of model `cfg` run as `compute` (default: ComputeConfig()) on `backend` (default:
+    JAX's default backend); `override` replaces resolved fields (tests: another kernel, a smaller
+    attention block, the GPU's layouts on CPU)."""
+    c = compute or ComputeConfig()
     backend = backend or jax.default_backend()
-    dtype = compute_dtype(cfg.dtype, backend)
+    dtype = compute_dtype(c.dtype, backend)
     rt = Runtime(dtype=dtype,
-                 attention=training_attention(cfg.attention, dtype, cfg.head_dim, backend),
-                 cached_attention=_USER_ATTENTION.get(cfg.attention, "xla"),
-                 cpu_layouts=backend == "cpu")
+                 attention=training_attention(c.attention, dtype, cfg.head_dim, backend),
+                 cached_attention=_USER_ATTENTION.get(c.attention, "xla"),
+                 cpu_layouts=backend == "cpu", dropout=c.dropout, remat=c.remat,
+                 scan_layers=c.scan_layers)
     return dataclasses.replace(rt, **override)

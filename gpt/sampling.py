@@ -84,7 +84,7 @@ def _window_logits(model: GPT, tokens_BN: jax.Array, start_B: jax.Array, end: ja
     B = tokens_BN.shape[0]
     first = end - W
     window_BW = jax.lax.dynamic_slice(tokens_BN, (0, first), (B, W))
-    cache = init_cache(model.cfg, B, W, jnp.clip(start_B - first, 0, W - 1), dtype)
+    cache = init_cache(model.cfg, B, W, dtype, jnp.clip(start_B - first, 0, W - 1))
     logits_BWV, _ = model(window_BW, cache=cache)
     return logits_BWV[:, -1]
 
@@ -99,7 +99,8 @@ def prefill(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, key: jax.Array
     N = P + max_new_tokens
     tokens_BN = jnp.zeros((B, N), jnp.int32).at[:, :P].set(prompt_BP.astype(jnp.int32))
     start_B = start_B.astype(jnp.int32)
-    cache = init_cache(model.cfg, B, S, jnp.clip(start_B - (P - P0), 0, S - 1), cache_dtype)
+    cache = init_cache(model.cfg, B, S, cache_dtype or model.rt.dtype,
+                       jnp.clip(start_B - (P - P0), 0, S - 1))
     logits_BPV, cache = model(prompt_BP[:, P - P0:], cache=cache)
     return DecodeState(tokens_BN, start_B, cache, logits_BPV[:, -1], jnp.array(P, jnp.int32),
                        jnp.zeros((B,), bool), key)

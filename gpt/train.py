@@ -28,10 +28,10 @@ from gpt import checkpoint as ckpt
 from gpt import data as data_lib
 from gpt import metrics as metrics_lib
 from gpt import sharding
-from gpt.config import ARCH_FIELDS, ModelConfig, TrainConfig, model_from_dict, to_dict
+from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, to_dict
 from gpt.errors import UserError
 from gpt.model import GPT, abstract_model, abstract_params, flops_per_token, num_params
-from gpt.runtime import compute_dtype
+from gpt.runtime import Runtime, resolve
 from gpt.tokenizer import REPO_ROOT, load_tokenizer
 
 BUNDLED_CORPUS = REPO_ROOT / "data" / "shakespeare.txt"
@@ -152,6 +152,7 @@ def evaluate(eval_fn, params, data_dir: Path, meta: dict, shape: tuple[int, int]
 class Setup:
     """Everything resolved before the first step."""
     model_cfg: ModelConfig
+    compute_cfg: ComputeConfig
     train_cfg: TrainConfig
     data_dir: Path
     meta: dict[str, Any]
@@ -173,14 +174,14 @@ def _arch_diff(a: ModelConfig, b: ModelConfig, keys) -> list[str]:
 
 def _model_for_checkpoint(ckpt_model: ModelConfig, flags: ModelConfig, explicit: set[str]
                           ) -> ModelConfig:
-    """The checkpoint fixes the architecture; runtime fields (dtype, dropout, ...) follow the flags."""
-    diff = _arch_diff(ckpt_model, flags, [k for k in ARCH_FIELDS if k in explicit])
+    """The checkpoint fixes the architecture: a flag that asks for another one is an error (how the
+    model is run, ComputeConfig, always follows the flags)."""
+    keys = [f.name for f in dataclasses.fields(ModelConfig) if f.name in explicit]
+    diff = _arch_diff(ckpt_model, flags, keys)
     if diff:
         raise UserError(f"the checkpoint's model differs from the flags: {'; '.join(diff)} "
                         f"(drop those flags or use a new --out_dir)")
-    runtime = {f.name: getattr(flags, f.name) for f in dataclasses.fields(ModelConfig)
-               if f.name not in ARCH_FIELDS}
-    return dataclasses.replace(ckpt_model, **runtime)
+    return ckpt_model
 
 
 def find_gpt2_dir() -> Path:
@@ -197,7 +198,7 @@ def find_gpt2_dir() -> Path:
                     "`python -m gpt.convert --from_hf DIR --out_dir OUT` and use --init_from=OUT")
 
 
-def prepare_setup(m: ModelConfig, t: TrainConfig, explicit: set[str]) -> Setup:
+def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]) -> Setup:
     """Resolve data, vocabulary and the starting point; every user mistake raises UserError here."""
     out = Path(t.out_dir)
     if t.init_from == "resume":
@@ -228,7 +229,7 @@ def prepare_setup(m: ModelConfig, t: TrainConfig, explicit: set[str]) -> Setup:
         raise UserError(f"the model's vocabulary ({m.vocab_size}) is smaller than the data's "
                         f"({meta['vocab_size']}); prepare the data with the model's tokenizer")
     data_lib.check_split_sizes(meta, m.block_size)
-    return Setup(m, t, data_dir, meta, init_params)
+    return Setup(m, c, t, data_dir, meta, init_params)
 
 
 def load_init(src: Path, m: ModelConfig, explicit: set[str]) -> tuple[ModelConfig, Any]:
@@ -304,11 +305,12 @@ def prepare_out_dir(t: TrainConfig) -> Path:
     return out
 
 
-def init_state(s: Setup, graphdef_model: GPT, tx, mesh) -> tuple[State, dict[str, Any]]:
+def init_state(s: Setup, model_shape: GPT, tx, mesh) -> tuple[State, dict[str, Any]]:
     """Parameters (fresh, or --init_from's) and optimizer state, created sharded on the mesh."""
     m, t = s.model_cfg, s.train_cfg
-    p_shard = sharding.param_shardings(nnx.to_pure_dict(nnx.state(graphdef_model)), mesh)
-    init_fn = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed)))),
+    p_shard = sharding.param_shardings(nnx.to_pure_dict(nnx.state(model_shape)), mesh)
+    init_fn = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed),
+                                                             runtime=model_shape.rt))),
                       out_shardings=p_shard)
     params = init_fn() if s.init_params is None else jax.device_put(s.init_params, p_shard)
     o_shard = sharding.like_params(jax.eval_shape(tx.init, params), p_shard, mesh)
@@ -329,7 +331,8 @@ def restore_state(checkpointer: ckpt.Checkpointer, m: ModelConfig, state: State,
 def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Run, State]:
     """Model, state (fresh or resumed), compiled steps, data and outputs: all before step one."""
     m, t = s.model_cfg, s.train_cfg
-    model_shape = abstract_model(m, t.seed)
+    rt: Runtime = resolve(m, s.compute_cfg)
+    model_shape = abstract_model(m, t.seed, rt)
     graphdef = nnx.graphdef(model_shape)
     tx = make_optimizer(t)
     state, shards = init_state(s, model_shape, tx, mesh)
@@ -340,11 +343,11 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
     total_b, per_dev_b = sharding.state_bytes((state.params, state.opt_state))
     log(f"{num_params(m) / 1e6:.2f}M params; params+optimizer {total_b / 1e9:.3f} GB in all, "
         f"{per_dev_b / 1e9:.3f} GB per device on {mesh.size} (mesh {dict(mesh.shape)}); "
-        f"compute {compute_dtype(m.dtype).name}")
+        f"compute {rt.dtype.name}")
     copy_tokenizer_files(s, out)
     shards["batch"] = sharding.batch_sharding(mesh, ndim=3)
     shards["eval"] = sharding.batch_sharding(mesh, ndim=2)
-    step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, m.dropout > 0, lr_schedule(t)),
+    step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, rt.dropout > 0, lr_schedule(t)),
                       in_shardings=(shards["params"], shards["opt_state"], None, shards["batch"],
                                     shards["batch"]),
                       out_shardings=(shards["params"], shards["opt_state"], None, None),
@@ -356,10 +359,9 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
                                t.batch_size * t.gradient_accumulation_steps, seed=t.seed,
                                process_index=layout[0], process_count=layout[1])
     batches.restore({"seed": t.seed, "index": state.step})
-    dtype = compute_dtype(m.dtype)
     through = metrics_lib.Throughput(flops_per_token(m, m.block_size),
-                                     metrics_lib.measure_matmul_tflops(dtype),
-                                     metrics_lib.vendor_peak_tflops(dtype.name), mesh.size)
+                                     metrics_lib.measure_matmul_tflops(rt.dtype),
+                                     metrics_lib.vendor_peak_tflops(rt.dtype.name), mesh.size)
     mlog = metrics_lib.MetricsLog(out, resume_step=state.step if t.init_from == "resume" else None,
                                   enabled=sharding.is_main_process())
     return Run(s, mesh, step_fn, eval_fn, shards, batches, layout, checkpointer, mlog,
@@ -394,7 +396,8 @@ def run_eval(run: Run, state: State, at_step: int) -> dict[str, float | None]:
 def save(run: Run, state: State, val_loss: float | None) -> None:
     s = run.s
     meta = {"format_version": ckpt.FORMAT_VERSION, "step": state.step,
-            "config": {"model": to_dict(s.model_cfg), "train": to_dict(s.train_cfg)},
+            "config": {"model": to_dict(s.model_cfg), "compute": to_dict(s.compute_cfg),
+                       "train": to_dict(s.train_cfg)},
             "tokenizer": s.meta["tokenizer"], "data_dir": str(s.data_dir.absolute()),
             "val_loss": val_loss, "best_val_loss": state.best_val}
     run.checkpointer.save(state.step, state.params, state.opt_state, meta, val_loss)

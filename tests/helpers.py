@@ -12,10 +12,27 @@ REPO = Path(__file__).resolve().parent.parent
 
 def tiny_model_config(**kw):
     from gpt.config import ModelConfig
-    base = dict(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0,
-                bias=True, dtype="float32")
+    base = dict(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=True)
     base.update(kw)
     return ModelConfig(**base)
+
+
+def tiny_runtime(cfg, backend=None, *, dropout=0.0, dtype="float32", remat="none",
+                 scan_layers=False, **override):
+    """The Runtime of `cfg` run with these ComputeConfig settings (float32 by default); `override`
+    replaces resolved fields (attention="reference" picks that kernel)."""
+    from gpt.config import ComputeConfig
+    from gpt.runtime import resolve
+    compute = ComputeConfig(dropout=dropout, dtype=dtype, remat=remat, scan_layers=scan_layers)
+    return resolve(cfg, compute, backend, **override)
+
+
+def tiny_gpt(cfg, seed=0, **kw):
+    """A GPT of `cfg` with random weights from `seed`, run as `tiny_runtime(cfg, **kw)`."""
+    from flax import nnx
+
+    from gpt.model import GPT
+    return GPT(cfg, rngs=nnx.Rngs(seed), runtime=tiny_runtime(cfg, **kw))
 
 
 def run_on_4_cpu_devices(script: str) -> dict:

@@ -1,35 +1,52 @@
+import dataclasses
 import json
 
 import pytest
 
-from gpt.config import (PRESETS, ModelConfig, SampleConfig, TrainConfig, build, validate_model,
-                        validate_sample, validate_train)
+from gpt.config import (PRESETS, ModelConfig, SampleConfig, build, build_train, compute_from_dict,
+                        model_from_dict, validate_sample)
 from gpt.errors import UserError
 
 
 def parse(argv, preset="default"):
-    (m, t), explicit = build([ModelConfig, TrainConfig], argv, default_preset=preset)
-    return validate_model(m), validate_train(t), explicit
+    return build_train(argv, default_preset=preset)
 
 
 def test_nanogpt_style_overrides():
-    m, t, explicit = parse(["--preset=shakespeare-char", "--n_layer=4", "--dropout", "0.0",
+    m, c, t, explicit = parse(["--preset=shakespeare-char", "--n_layer=4", "--dropout", "0.0",
                             "--batch_size=8", "--learning_rate=6e-4", "--no_bias", "--max_iters", "1e3"])
     assert (m.n_layer, m.n_head, m.n_embd, m.block_size) == (4, 6, 384, 256)
-    assert m.dropout == 0.0 and m.bias is False and t.batch_size == 8 and t.max_iters == 1000
+    assert c.dropout == 0.0 and m.bias is False and t.batch_size == 8 and t.max_iters == 1000
     assert t.learning_rate == 6e-4 and t.beta2 == 0.99 and t.min_lr == 1e-4
     assert {"n_layer", "dropout", "batch_size"} <= explicit and "n_head" not in explicit
 
 
 def test_presets():
-    m, _, _ = parse(["--preset=gpt2-xl"])
+    m, _, _, _ = parse(["--preset=gpt2-xl"])
     assert (m.n_layer, m.n_head, m.n_embd) == (48, 25, 1600)
-    m, t, _ = parse(["--preset=shakespeare-char"])
-    assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.dropout) == (6, 6, 384, 256, 0.2)
+    m, c, t, _ = parse(["--preset=shakespeare-char"])
+    assert (m.n_layer, m.n_head, m.n_embd, m.block_size, c.dropout) == (6, 6, 384, 256, 0.2)
     assert (t.batch_size, t.max_iters, t.warmup_iters, t.grad_clip) == (64, 5000, 100, 1.0)
     assert m.activation == "gelu_tanh"
     assert parse(["--preset=shakespeare-char", "--activation=gelu"])[0].activation == "gelu"
     assert {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "shakespeare-char", "tiny"} <= set(PRESETS)
+
+
+def test_architecture_apart_from_compute_settings():
+    """ModelConfig is the architecture only (frozen: what a checkpoint reproduces); how the model is
+    run lives in ComputeConfig. A checkpoint written before the split (its model dict also held
+    dtype, dropout, attention, remat, scan_layers) still loads: those keys are ignored."""
+    m, c, _, _ = parse(["--preset=tiny", "--dtype=bfloat16", "--dropout=0.1", "--remat=dots"])
+    assert "dtype" not in dataclasses.asdict(m) and (c.dtype, c.dropout, c.remat) == ("bfloat16", 0.1,
+                                                                                      "dots")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.n_layer = 3
+    old = {"vocab_size": 65, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32, "dropout": 0.2,
+           "bias": True, "pos_embedding": "learned", "activation": "gelu_tanh", "dtype": "auto",
+           "attention": "auto", "remat": "none", "scan_layers": False}
+    assert model_from_dict(old) == ModelConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2,
+                                               n_embd=32, bias=True)
+    assert compute_from_dict(old).dropout == 0.2
 
 
 def test_unknown_key_suggests_closest():
@@ -64,17 +81,17 @@ def test_learning_rate_below_the_presets_min_lr_suggests_one():
     with pytest.raises(UserError, match=r"--min_lr=0.0004 must not exceed --learning_rate=0.0001.*"
                                         r"--min_lr=1e-05"):
         parse(["--learning_rate=1e-4"])
-    assert parse(["--learning_rate=1e-4", "--min_lr=1e-5"])[1].min_lr == 1e-5
+    assert parse(["--learning_rate=1e-4", "--min_lr=1e-5"])[2].min_lr == 1e-5
 
 
 def test_config_files_toml_and_json(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('n_layer = 3\n[train]\nbatch_size = 5\nlearning_rate = 3e-4\nmin_lr = 3e-5\n')
-    m, t, _ = parse([f"--config={toml}", "--batch_size=7"])
+    m, _, t, _ = parse([f"--config={toml}", "--batch_size=7"])
     assert m.n_layer == 3 and t.batch_size == 7 and t.learning_rate == 3e-4  # command line wins
     js = tmp_path / "run.json"
     js.write_text(json.dumps({"model": {"n_embd": 64, "n_head": 4}}))
-    m, _, _ = parse([f"--config={js}"])
+    m, _, _, _ = parse([f"--config={js}"])
     assert m.n_embd == 64
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"n_layers": 2}))
@@ -102,5 +119,5 @@ def test_sample_settings_validated(argv, field):
 def test_list_fields():
     (s,), _ = build([SampleConfig], ["--stop=\n\n", "--stop", "END", "--stop=a,b"])
     assert s.stop == ["\n\n", "END", "a,b"]  # a repeated list flag accumulates
-    _, t, _ = parse(["--input=a.txt,b/"])
+    _, _, t, _ = parse(["--input=a.txt,b/"])
     assert t.input == ["a.txt", "b/"]

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from gpt import convert  # noqa: E402
 from gpt.errors import UserError  # noqa: E402
-from gpt.model import GPT  # noqa: E402
+from helpers import tiny_gpt  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-4
@@ -46,8 +46,7 @@ def torch_logits(model, idx: np.ndarray) -> np.ndarray:
 
 
 def our_logits(cfg, params, idx: np.ndarray, attention: str = "xla") -> np.ndarray:
-    cfg = dataclasses.replace(cfg, dtype="float32", attention=attention)
-    model = GPT(cfg, rngs=nnx.Rngs(0))
+    model = tiny_gpt(cfg, attention=attention)
     nnx.update(model, params)
     out, _ = model(jax.numpy.asarray(idx))
     return np.asarray(out)
@@ -61,7 +60,7 @@ def hf(tmp_path_factory):
     return d, model, idx, torch_logits(model, idx)
 
 
-@pytest.mark.parametrize("attention", ["xla", "einsum"])
+@pytest.mark.parametrize("attention", ["xla", "reference"])
 def test_load_hf_logit_parity(hf, attention):
     d, _, idx, ref = hf
     cfg, params = convert.load_hf(d)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import tiny_model_config
+from helpers import tiny_gpt, tiny_model_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
@@ -48,21 +48,18 @@ def test_cudnn_attention_matches_reference_values_and_gradients():
 
 def test_model_logits_cudnn_equal_einsum():
     """The whole model with --attention=cudnn against the einsum reference, both in bf16."""
-    from gpt.model import GPT
     idx = jax.random.randint(jax.random.key(1), (2, 128), 0, 65)
     logits = {}
-    for attn in ("cudnn", "einsum"):
-        cfg = tiny_model_config(block_size=128, n_embd=256, n_head=4, dtype="bfloat16",
-                                attention=attn)
-        logits[attn] = GPT(cfg, rngs=nnx.Rngs(0))(idx)[0][..., :65]
-    assert _rel(logits["cudnn"], logits["einsum"]) < 1e-2
+    cfg = tiny_model_config(block_size=128, n_embd=256, n_head=4)
+    for attn in ("cudnn", "reference"):
+        logits[attn] = tiny_gpt(cfg, dtype="bfloat16", attention=attn)(idx)[0][..., :65]
+    assert _rel(logits["cudnn"], logits["reference"]) < 1e-2
 
 
 def test_bf16_training_tracks_float32():
     """30 steps of the real train step in bf16 and in float32 from the same init and batches:
     the losses agree to within bf16's rounding and both fall."""
     from gpt.config import TrainConfig
-    from gpt.model import GPT
     from gpt.train import make_optimizer, make_train_step
     t = TrainConfig(learning_rate=3e-3, min_lr=3e-4, warmup_iters=5, max_iters=30)
     rng = np.random.default_rng(0)
@@ -72,8 +69,8 @@ def test_bf16_training_tracks_float32():
     y = jnp.asarray((starts + 1 + np.arange(65)[None, None, None, :64]) % 65, jnp.int32)
     losses = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = tiny_model_config(block_size=64, n_embd=128, n_head=4, dtype=dtype)
-        gd, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+        cfg = tiny_model_config(block_size=64, n_embd=128, n_head=4)
+        gd, params = nnx.split(tiny_gpt(cfg, dtype=dtype))
         params = nnx.to_pure_dict(params)
         tx = make_optimizer(t)
         opt = tx.init(params)
@@ -91,10 +88,9 @@ def test_bf16_training_tracks_float32():
 def test_cached_greedy_equals_full_recompute_on_gpu():
     """KV-cached greedy decoding == re-running the whole context per token, on the GPU in float32
     at full matmul precision (TF32 would round the two paths differently)."""
-    from gpt.model import GPT
     from bench.nocache import full_recompute_generate
     from gpt.sampling import SamplingSettings, Sampler
-    model = GPT(tiny_model_config(block_size=96, dtype="float32"), rngs=nnx.Rngs(3))
+    model = tiny_gpt(tiny_model_config(block_size=96), 3)
     s = SamplingSettings(max_new_tokens=64, temperature=0.0)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 65, size=n).tolist() for n in (1, 5, 17)]
@@ -106,12 +102,11 @@ def test_cached_greedy_equals_full_recompute_on_gpu():
 
 def test_cached_bf16_logits_match_full_forward_on_gpu():
     """bf16 cached decoding step by step against one bf16 full forward of the same tokens."""
-    from gpt.model import GPT, init_cache
-    model = GPT(tiny_model_config(block_size=64, n_embd=128, n_head=4, dtype="bfloat16"),
-                rngs=nnx.Rngs(4))
+    from gpt.model import init_cache
+    model = tiny_gpt(tiny_model_config(block_size=64, n_embd=128, n_head=4), 4, dtype="bfloat16")
     tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, 65)
     full, _ = model(tokens)
-    logits, cache = model(tokens[:, :8], cache=init_cache(model.cfg, 2, 64))
+    logits, cache = model(tokens[:, :8], cache=init_cache(model.cfg, 2, 64, model.rt.dtype))
     steps = [logits[:, -1]]
     for t in range(8, 39):
         logits, cache = model(tokens[:, t:t + 1], cache=cache)

@@ -1,4 +1,3 @@
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -6,13 +5,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import tiny_model_config
+from helpers import tiny_gpt, tiny_model_config
 from gpt import model as M
 from gpt.config import PRESETS, ModelConfig
 
 
-def make(cfg, seed=0):
-    return M.GPT(cfg, rngs=nnx.Rngs(seed))
+def make(cfg, seed=0, **compute):
+    return tiny_gpt(cfg, seed, **compute)
 
 
 def tokens(B, T, V, seed=1):
@@ -29,10 +28,10 @@ def test_shapes_and_padded_vocab(pos):
     assert bool(jnp.all(jnp.isfinite(logits[..., :70])))
 
 
-@pytest.mark.parametrize("attention", ["xla", "einsum"])
+@pytest.mark.parametrize("attention", ["xla", "reference", "blocked"])
 def test_causality(attention):
-    cfg = tiny_model_config(attention=attention)
-    model = make(cfg)
+    cfg = tiny_model_config()
+    model = make(cfg, attention=attention)
     x = tokens(2, 16, 65)
     t = 9
     x2 = x.at[:, t + 1].set((x[:, t + 1] + 1) % 65)
@@ -69,7 +68,7 @@ def test_kv_cache_matches_full_forward():
     model = make(cfg)
     x = tokens(2, 20, 65)
     full, _ = model(x)
-    cache = M.init_cache(cfg, 2, 32)
+    cache = M.init_cache(cfg, 2, 32, jnp.float32)
     out, cache = model(x[:, :7], cache=cache)
     parts = [out]
     for t in range(7, 20):
@@ -87,7 +86,7 @@ def test_left_padded_cache_rows_match_unpadded():
     x = tokens(1, 10, 65)
     alone, _ = model(x)
     padded = jnp.concatenate([jnp.zeros((1, 4), jnp.int32), x], axis=1)
-    cache = M.init_cache(cfg, 1, 32, start_B=jnp.array([4]))
+    cache = M.init_cache(cfg, 1, 32, jnp.float32, start_B=jnp.array([4]))
     out, _ = model(padded, cache=cache)
     assert float(jnp.abs(out[:, 4:, :65] - alone[..., :65]).max()) < 1e-4
 
@@ -102,7 +101,7 @@ def test_remat_and_scan_give_same_loss_and_grads(remat, scan):
         return -jnp.mean(jax.nn.log_softmax(logits[..., :65])[..., 0])
 
     base = make(cfg)
-    other = make(dataclasses.replace(cfg, remat=remat, scan_layers=scan))
+    other = make(cfg, remat=remat, scan_layers=scan)
     l1, g1 = nnx.value_and_grad(loss)(base)
     l2, g2 = nnx.value_and_grad(loss)(other)
     assert abs(float(l1) - float(l2)) < 1e-6
@@ -111,18 +110,17 @@ def test_remat_and_scan_give_same_loss_and_grads(remat, scan):
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
-    cfg = tiny_model_config(dtype="bfloat16")
-    model = make(cfg)
+    cfg = tiny_model_config()
+    model = make(cfg, dtype="bfloat16")
     logits, _ = model(tokens(2, 8, 65))
     assert logits.dtype == jnp.float32
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model)))
-    ref, _ = make(tiny_model_config())(tokens(2, 8, 65))
+    ref, _ = make(cfg)(tokens(2, 8, 65))
     assert float(jnp.abs(logits[..., :65] - ref[..., :65]).max()) < 0.1
 
 
 def test_dropout_is_active_only_with_a_key():
-    cfg = tiny_model_config(dropout=0.5)
-    model = make(cfg)
+    model = make(tiny_model_config(), dropout=0.5)
     x = tokens(2, 8, 65)
     a, _ = model(x)
     b, _ = model(x)
@@ -134,14 +132,14 @@ def test_dropout_is_active_only_with_a_key():
 def test_weights_held_in_bf16_run_with_and_without_cache():
     """Sampling may hold the parameters in the compute dtype: the residual stream stays float32
     (the layer scan's carry) and the logits match float32-held weights in bf16 compute."""
-    from gpt.model import GPT, init_cache
-    cfg = tiny_model_config(dtype="bfloat16")
-    model = GPT(cfg, rngs=nnx.Rngs(0))
+    from gpt.model import init_cache
+    cfg = tiny_model_config()
+    model = make(cfg, dtype="bfloat16")
     gd, params = nnx.split(model)
     half = nnx.merge(gd, jax.tree.map(lambda p: p.astype(jnp.bfloat16), params))
     idx = jnp.array([[1, 2, 3, 4, 5, 6]], jnp.int32)
     full, _ = model(idx)
     got, _ = half(idx)
-    cached, _ = half(idx, cache=init_cache(cfg, 1, 8))
+    cached, _ = half(idx, cache=init_cache(cfg, 1, 8, jnp.bfloat16))
     assert float(jnp.abs(got - full)[..., :65].max()) < 0.1
     assert float(jnp.abs(cached - got)[..., :65].max()) < 0.05

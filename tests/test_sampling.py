@@ -36,7 +36,7 @@ def test_cached_logits_match_full_forward(model):
     full, _ = model(tokens)
     # Re-run the cached path step by step and compare each step's logits with the full pass.
     from gpt.model import init_cache
-    cache = init_cache(model.cfg, 1, 32)
+    cache = init_cache(model.cfg, 1, 32, model.rt.dtype)
     logits, cache = model(tokens[:, :6], cache=cache)
     steps = [logits[:, -1]]
     for t in range(6, tokens.shape[1] - 1):

@@ -32,9 +32,12 @@ REL_TOL = 1e-5
 
 def _model():
     from gpt.config import ModelConfig
-    # Dropout on: its masks must not depend on the mesh either.
-    return ModelConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.1,
-                       bias=True, dtype="float32")
+    return ModelConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=True)
+
+
+def _compute():
+    from gpt.config import ComputeConfig
+    return ComputeConfig(dropout=0.1, dtype="float32")  # dropout on: masks must not depend on the mesh
 
 
 def _train_cfg(data_dir, out_dir, mesh: str, **kw):
@@ -48,7 +51,7 @@ def _train_cfg(data_dir, out_dir, mesh: str, **kw):
 
 def _run_train(data_dir, out_dir, mesh: str) -> dict:
     from gpt import train as train_lib
-    setup = train_lib.prepare_setup(_model(), _train_cfg(data_dir, out_dir, mesh), set())
+    setup = train_lib.prepare_setup(_model(), _compute(), _train_cfg(data_dir, out_dir, mesh), set())
     return train_lib.train(setup, log=lambda msg: None)
 
 

@@ -13,21 +13,18 @@ from flax import nnx
 
 from helpers import REPO, tiny_model_config
 from gpt import train as T
-from gpt.config import ModelConfig, TrainConfig, build, validate_model, validate_train
+from gpt.config import ModelConfig, TrainConfig, build, build_train
 from gpt.errors import UserError
 from gpt.model import GPT
 
 
 def configs(out_dir, data_dir, *argv):
-    (m, t), explicit = build([ModelConfig, TrainConfig],
-                             ["--preset=tiny", f"--out_dir={out_dir}", f"--data_dir={data_dir}",
-                              "--log_interval=1", "--no_progress", *argv])
-    return validate_model(m), validate_train(t), explicit
+    return build_train(["--preset=tiny", f"--out_dir={out_dir}", f"--data_dir={data_dir}",
+                        "--log_interval=1", "--no_progress", *argv])
 
 
 def run(out_dir, data_dir, *argv):
-    m, t, explicit = configs(out_dir, data_dir, *argv)
-    return T.train(T.prepare_setup(m, t, explicit))
+    return T.train(T.prepare_setup(*configs(out_dir, data_dir, *argv)))
 
 
 def test_resume_is_exact(tmp_path, char_data):
@@ -178,18 +175,16 @@ def test_init_from_checkpoint_dir_and_hf_gpt2(tmp_path, char_data, monkeypatch):
     want = base(x)[0]
     for how in (str(src), str(hf), "gpt2"):
         monkeypatch.setenv("GPT2_DIR", str(hf))
-        m, t, explicit = configs(tmp_path / f"o{len(how)}", char_data, f"--init_from={how}",
-                                 "--max_iters=1", "--learning_rate=1e-9", "--min_lr=0", "--warmup_iters=0")
-        setup = T.prepare_setup(m, t, explicit)
+        setup = T.prepare_setup(*configs(tmp_path / f"o{len(how)}", char_data, f"--init_from={how}",
+                                         "--max_iters=1", "--learning_rate=1e-9", "--min_lr=0",
+                                         "--warmup_iters=0"))
         got = nnx.merge(nnx.split(GPT(setup.model_cfg, rngs=nnx.Rngs(0)))[0], setup.init_params)(x)[0]
         assert float(jnp.abs(got[..., :V] - want[..., :V]).max()) < 1e-5, how
         summary = T.train(setup)
         assert summary["start_step"] == 0 and summary["step"] == 1
     with pytest.raises(UserError, match=r"n_embd \(32 in the checkpoint, 64 requested\)"):
-        m, t, explicit = configs(tmp_path / "bad", char_data, f"--init_from={src}", "--n_embd=64")
-        T.prepare_setup(m, t, explicit)
+        T.prepare_setup(*configs(tmp_path / "bad", char_data, f"--init_from={src}", "--n_embd=64"))
     monkeypatch.setenv("GPT2_DIR", str(tmp_path / "nowhere"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "nohf"))
     with pytest.raises(UserError, match="GPT-2 weights not found locally"):
-        m, t, explicit = configs(tmp_path / "bad2", char_data, "--init_from=gpt2")
-        T.prepare_setup(m, t, explicit)
+        T.prepare_setup(*configs(tmp_path / "bad2", char_data, "--init_from=gpt2"))

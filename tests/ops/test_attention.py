@@ -11,8 +11,9 @@ from flax import nnx
 from gpt.model import GPT
 from gpt.ops import attention as A
 from gpt.ops.dropout import drop_rate, keep_mask
+from gpt.config import ComputeConfig
 from gpt.runtime import resolve, training_attention
-from helpers import run_on_4_cpu_devices, tiny_model_config
+from helpers import run_on_4_cpu_devices, tiny_model_config, tiny_runtime
 
 
 def qkv(B=2, T=16, H=2, K=8, seed=0):
@@ -82,11 +83,11 @@ def test_runtime_picks_the_kernel_once():
     assert training_attention("auto", bf, 60, "gpu") == "xla"
     assert training_attention("auto", bf, 64, "tpu") == "xla"
     assert training_attention("einsum", bf, 64, "gpu") == "reference"
-    rt = resolve(tiny_model_config(n_embd=36, n_head=3, dtype="auto"), backend="gpu")  # head dim 12
+    rt = resolve(tiny_model_config(n_embd=36, n_head=3), backend="gpu")  # head dim 12
     assert (rt.dtype, rt.attention, rt.cached_attention, rt.cpu_layouts) == (bf, "xla", "xla", False)
-    rt = resolve(tiny_model_config(n_embd=128, n_head=2, dtype="auto"), backend="gpu")
+    rt = resolve(tiny_model_config(n_embd=128, n_head=2), backend="gpu")
     assert rt.attention == "cudnn"
-    rt = resolve(tiny_model_config(attention="einsum"), backend="cpu")
+    rt = resolve(tiny_model_config(), ComputeConfig(attention="einsum"), backend="cpu")
     assert (rt.attention, rt.cached_attention, rt.cpu_layouts) == ("reference", "reference", True)
 
 
@@ -94,7 +95,7 @@ def test_blocked_attention_is_the_training_path():
     """A model with dropout trains through `attention_blocked` in either dtype (a reference runtime
     keeps the reference); its loss gradient matches the reference's: to float32 rounding in
     float32, to bf16 accuracy in bfloat16 (with two query blocks)."""
-    cfg = tiny_model_config(dropout=0.1)
+    cfg = tiny_model_config()
     params = nnx.state(GPT(cfg, rngs=nnx.Rngs(0)))
     x = jax.random.randint(jax.random.key(1), (2, 16), 0, 65)
 
@@ -103,8 +104,7 @@ def test_blocked_attention_is_the_training_path():
         logits, _ = m(x, dropout_key=jax.random.key(3))
         return jnp.mean(jax.nn.logsumexp(logits, -1))
 
-    rt = lambda dtype, **kw: resolve(tiny_model_config(dropout=0.1, dtype=dtype), attention_block=8,
-                                     **kw)
+    rt = lambda dtype, **kw: tiny_runtime(cfg, dropout=0.1, dtype=dtype, attention_block=8, **kw)
     uses = lambda r: "name=attention_blocked" in str(jax.make_jaxpr(loss, static_argnums=1)(params, r))
     assert uses(rt("bfloat16")) and uses(rt("float32")) and uses(rt("bfloat16", attention="xla"))
     assert not uses(rt("float32", attention="reference"))
@@ -119,7 +119,7 @@ def test_model_attention_choices_agree():
     cfg = tiny_model_config()
     params = nnx.state(GPT(cfg, rngs=nnx.Rngs(0)))
     x = jax.random.randint(jax.random.key(1), (2, 16), 0, 65)
-    out = {impl: nnx.merge(nnx.graphdef(GPT(cfg, rngs=nnx.Rngs(0), runtime=resolve(
+    out = {impl: nnx.merge(nnx.graphdef(GPT(cfg, rngs=nnx.Rngs(0), runtime=tiny_runtime(
         cfg, attention=impl))), params)(x)[0][..., :65] for impl in ("blocked", "xla", "reference")}
     for impl in ("blocked", "xla"):
         np.testing.assert_allclose(np.asarray(out[impl]), np.asarray(out["reference"]), atol=1e-5)

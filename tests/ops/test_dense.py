@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import tiny_model_config
+from helpers import tiny_model_config, tiny_runtime
 from gpt.model import GPT
 from gpt.ops import dense as D
-from gpt.runtime import resolve
 
 SPECS = [("btd,dchk->btchk", (2, 5, 16), (16, 3, 2, 8)),
          ("bthk,hkd->btd", (2, 5, 2, 8), (2, 8, 16)),
@@ -54,7 +53,7 @@ def test_physical_swap_is_a_transpose():
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 5e-2)])
 def test_model_gradients_through_dense_match_reference(dtype, tol):
     """The model takes the custom VJP; its gradients match plain autodiff's (to bf16 accuracy)."""
-    cfg = tiny_model_config(dtype=dtype)
+    cfg = tiny_model_config()
     params = nnx.state(GPT(cfg, rngs=nnx.Rngs(0)))
     x = jax.random.randint(jax.random.key(1), (2, 16), 0, 65)
 
@@ -63,7 +62,7 @@ def test_model_gradients_through_dense_match_reference(dtype, tol):
         logits, _ = nnx.merge(gd, p)(x)
         return jnp.mean(jax.nn.logsumexp(logits, -1))
 
-    custom, ref = resolve(cfg), resolve(cfg, dense_vjp=False)
+    custom, ref = tiny_runtime(cfg, dtype=dtype), tiny_runtime(cfg, dtype=dtype, dense_vjp=False)
     assert custom.cpu_layouts and "name=_dense_vjp" in str(jax.make_jaxpr(loss, static_argnums=1)(
         params, custom))
     assert "name=_dense_vjp" not in str(jax.make_jaxpr(loss, static_argnums=1)(params, ref))
