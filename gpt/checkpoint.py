@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +53,21 @@ class _DropOrbaxLogs(logging.Filter):
 
 
 class _DropOrbaxStorageErrors(_DropOrbaxLogs):
-    """For asyncio's log: only Orbax's storage failures (reported as one line); anything else shows."""
+    """For asyncio's log: only Orbax's storage failures (reported as one line) and the writes that
+    fail after them into the abandoned save's temporary directory (Orbax removes it: NOT_FOUND);
+    anything else shows."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return super().filter(record) or exc is None or storage_errno(exc) is None
+        if exc is None or super().filter(record):
+            return True
+        return storage_errno(exc) is None and TMP_MARKER not in str(exc)
 
 
 logging.getLogger("absl").addFilter(_DropOrbaxLogs())
 logging.getLogger("asyncio").addFilter(_DropOrbaxStorageErrors())
+# The write tasks of an abandoned save that never ran are reported at exit as never awaited.
+warnings.filterwarnings("ignore", message="coroutine 'async_serialize_from_host", category=RuntimeWarning)
 
 
 def storage_errno(e: BaseException) -> int | None:

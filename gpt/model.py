@@ -1,7 +1,10 @@
 """GPT-2 style decoder-only Transformer in Flax NNX: the architecture, read top to bottom.
 
-Axis letters (one convention for the whole repository): B batch, T time (queries), S key/cache
-slots, D width, H heads, K head dim, F MLP width, V (padded) vocabulary, L layers.
+Axis letters (one convention for the whole repository), as shape suffixes (`x_BTD`): B batch,
+T time (queries), S key/cache slots, D width, H heads, K head dim, F MLP width, V (padded)
+vocabulary, L layers, A gradient-accumulation micro-batches. A lower-case letter is a block of that
+axis (`p_BHtS`: a block of query rows). gpt/ops/dense.py's flattened matmuls add M rows, C contracted
+and N output axes. Variables named `m`, `c`, `t` are the Model/Compute/Train configs, never axes.
 
 Two choices shape this file:
 - The per-layer parameters are stacked along a leading L axis and the layer loop is a `lax.scan`
@@ -88,8 +91,14 @@ def _bias(p: nnx.Param | None):
     return 0.0 if p is None else p[...]
 
 
-def _param(key, shape, std) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(key, shape, jnp.float32))
+def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    """A float32 parameter with its logical axes (`gpt.sharding` maps them onto a mesh). Placement is
+    decided by the trainer, so the parameter is created unsharded (no eager sharding)."""
+    return nnx.Param(value.astype(jnp.float32), sharding_names=axes, eager_sharding=False)
+
+
+def _normal(key, shape, std, axes) -> nnx.Param:
+    return _param(std * jax.random.normal(key, shape, jnp.float32), axes)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -101,19 +110,19 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         D, H, K, F = cfg.n_embd, cfg.n_head, cfg.head_dim, 4 * cfg.n_embd
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
-        zeros = lambda *s: nnx.Param(jnp.zeros(s, jnp.float32)) if cfg.bias else None
-        self.ln1_scale = nnx.Param(jnp.ones((D,), jnp.float32))
-        self.ln1_bias = zeros(D)
-        self.w_qkv = _param(rngs.params(), (D, 3, H, K), 0.02)
-        self.b_qkv = zeros(3, H, K)
-        self.w_o = _param(rngs.params(), (H, K, D), proj_std)
-        self.b_o = zeros(D)
-        self.ln2_scale = nnx.Param(jnp.ones((D,), jnp.float32))
-        self.ln2_bias = zeros(D)
-        self.w_fc = _param(rngs.params(), (D, F), 0.02)
-        self.b_fc = zeros(F)
-        self.w_proj = _param(rngs.params(), (F, D), proj_std)
-        self.b_proj = zeros(D)
+        bias = lambda shape, axes: _param(jnp.zeros(shape), axes) if cfg.bias else None
+        self.ln1_scale = _param(jnp.ones((D,)), ("embed",))
+        self.ln1_bias = bias((D,), ("embed",))
+        self.w_qkv = _normal(rngs.params(), (D, 3, H, K), 0.02, ("embed", None, "heads", None))
+        self.b_qkv = bias((3, H, K), (None, "heads", None))
+        self.w_o = _normal(rngs.params(), (H, K, D), proj_std, ("heads", None, "embed"))
+        self.b_o = bias((D,), ("embed",))
+        self.ln2_scale = _param(jnp.ones((D,)), ("embed",))
+        self.ln2_bias = bias((D,), ("embed",))
+        self.w_fc = _normal(rngs.params(), (D, F), 0.02, ("embed", "mlp"))
+        self.b_fc = bias((F,), ("mlp",))
+        self.w_proj = _normal(rngs.params(), (F, D), proj_std, ("mlp", "embed"))
+        self.b_proj = bias((D,), ("embed",))
 
     def __call__(self, x_BTD, kv, mask_BTS, cache_index, cfg: ModelConfig, rt: Runtime, key):
         """`kv`: this layer's cache (k, v) [B, S, H, K] or None; returns x and the updated kv."""
@@ -143,11 +152,12 @@ class Block(nnx.Module):
 
 
 def _stack_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """L independently initialised blocks merged into one Block whose arrays have a leading L axis."""
-    blocks = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)]
-    graphdef, _ = nnx.split(blocks[0])
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
-    return nnx.merge(graphdef, stacked)
+    """L independently initialised blocks as one Block whose arrays have a leading "layers" axis."""
+    @nnx.split_rngs(splits=cfg.n_layer)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=rngs)
+    return make(rngs)
 
 
 REMAT_POLICIES = {"block": jax.checkpoint_policies.nothing_saveable,
@@ -159,12 +169,12 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.rt = runtime or runtime_lib.resolve(cfg)
         D = cfg.n_embd
-        self.wte = _param(rngs.params(), (cfg.padded_vocab_size, D), 0.02)
-        self.wpe = _param(rngs.params(), (cfg.block_size, D), 0.02) \
+        self.wte = _normal(rngs.params(), (cfg.padded_vocab_size, D), 0.02, ("vocab", "embed"))
+        self.wpe = _normal(rngs.params(), (cfg.block_size, D), 0.02, (None, "embed")) \
             if cfg.pos_embedding == "learned" else None
         self.blocks = _stack_blocks(cfg, rngs)
-        self.lnf_scale = nnx.Param(jnp.ones((D,), jnp.float32))
-        self.lnf_bias = nnx.Param(jnp.zeros((D,), jnp.float32)) if cfg.bias else None
+        self.lnf_scale = _param(jnp.ones((D,)), ("embed",))
+        self.lnf_bias = _param(jnp.zeros((D,)), ("embed",)) if cfg.bias else None
 
     def __call__(self, idx_BT: jax.Array, *, cache: KVCache | None = None,
                  dropout_key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:

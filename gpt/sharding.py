@@ -1,8 +1,9 @@
 """Device mesh, parameter partitioning and global batches (data parallel, FSDP, tensor parallel).
 
 Everything goes through `jax.jit` with `NamedSharding`s over one `jax.make_mesh` mesh with the axes
-(data, fsdp, tensor); XLA's SPMD partitioner inserts the collectives. Each parameter has logical axes
-(below); tensor parallelism maps heads/MLP width/vocabulary to `tensor` (Megatron style) and FSDP
+(data, fsdp, tensor); XLA's SPMD partitioner inserts the collectives. Each parameter carries its
+logical axes as metadata (`nnx.Param(..., sharding_names=...)` in gpt/model.py; the layer stack adds
+"layers"); tensor parallelism maps heads/MLP width/vocabulary to `tensor` (Megatron style) and FSDP
 shards each matrix's largest remaining dimension over `fsdp`. Optimizer state follows its parameter.
 """
 from __future__ import annotations
@@ -23,19 +24,7 @@ from gpt.errors import UserError
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
-# Logical axes of each parameter, by name (blocks' arrays carry a leading "layers" axis).
-LOGICAL = {
-    "wte": ("vocab", "embed"),
-    "wpe": (None, "embed"),
-    "lnf_scale": ("embed",), "lnf_bias": ("embed",),
-    "ln1_scale": ("layers", "embed"), "ln1_bias": ("layers", "embed"),
-    "ln2_scale": ("layers", "embed"), "ln2_bias": ("layers", "embed"),
-    "w_qkv": ("layers", "embed", None, "heads", None), "b_qkv": ("layers", None, "heads", None),
-    "w_o": ("layers", "heads", None, "embed"), "b_o": ("layers", "embed"),
-    "w_fc": ("layers", "embed", "mlp"), "b_fc": ("layers", "mlp"),
-    "w_proj": ("layers", "mlp", "embed"), "b_proj": ("layers", "embed"),
-}
-TENSOR_LOGICAL = ("heads", "mlp", "vocab")
+TENSOR_LOGICAL = ("heads", "mlp", "vocab")  # logical axes that tensor parallelism splits
 
 
 def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
@@ -85,9 +74,8 @@ def check_divisibility(cfg: ModelConfig, mesh: Mesh, global_batch: int) -> None:
                         f"degree {tp}")
 
 
-def param_spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> P:
+def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     """PartitionSpec of one parameter from its logical axes and the mesh sizes."""
-    logical = LOGICAL[name]
     spec: list[Any] = [None] * len(shape)
     tp, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
     for i, ax in enumerate(logical):
@@ -105,9 +93,14 @@ def _leaf_name(path) -> str:
     return str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1])))
 
 
-def param_shardings(params: Any, mesh: Mesh) -> Any:
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(_leaf_name(path), x.shape, mesh)), params)
+def param_shardings(model_state: Any, mesh: Mesh) -> Any:
+    """NamedShardings (a pure dict like the parameters) from a model's `nnx.State`, abstract or not:
+    each parameter's logical axes come from its metadata."""
+    from flax import nnx
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(model_state))
+    shapes = nnx.to_pure_dict(model_state)
+    return jax.tree.map(lambda names, x: NamedSharding(mesh, param_spec(tuple(names), x.shape, mesh)),
+                        logical, shapes, is_leaf=lambda x: isinstance(x, P))
 
 
 def like_params(tree: Any, params_shardings: Any, mesh: Mesh) -> Any:

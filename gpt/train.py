@@ -308,7 +308,7 @@ def prepare_out_dir(t: TrainConfig) -> Path:
 def init_state(s: Setup, model_shape: GPT, tx, mesh) -> tuple[State, dict[str, Any]]:
     """Parameters (fresh, or --init_from's) and optimizer state, created sharded on the mesh."""
     m, t = s.model_cfg, s.train_cfg
-    p_shard = sharding.param_shardings(nnx.to_pure_dict(nnx.state(model_shape)), mesh)
+    p_shard = sharding.param_shardings(nnx.state(model_shape), mesh)
     init_fn = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed),
                                                              runtime=model_shape.rt))),
                       out_shardings=p_shard)

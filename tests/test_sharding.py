@@ -68,7 +68,7 @@ def _make_state(data_dir, mesh_spec: str):
     m, t = _model(), _train_cfg(data_dir, "unused", mesh_spec)
     mesh = sharding.make_mesh(mesh_spec)
     graphdef, shapes = nnx.split(nnx.eval_shape(lambda: GPT(m, rngs=nnx.Rngs(0))))
-    p_shard = sharding.param_shardings(nnx.to_pure_dict(shapes), mesh)
+    p_shard = sharding.param_shardings(shapes, mesh)
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(0)))),
                      out_shardings=p_shard)()
     tx = make_optimizer(t)

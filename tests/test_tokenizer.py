@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from gpt.errors import UserError
 from gpt.tokenizer import (BPE_FILE, GPT2_PATTERN, GPT2_RANKS_FILE, GPT2_RANKS_SHA256, EOT, build_tokenizer,
-                           bytes_to_unicode, hf_bpe_tokenizer, load_tokenizer, tokenizer_from_hf, train_hf_bpe,
+                           bytes_to_unicode, load_tokenizer, tokenizer_from_hf, train_hf_bpe,
                            unicode_to_bytes)
 
 REPO = Path(__file__).resolve().parent.parent
