@@ -31,9 +31,19 @@ class ModelConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    bias: bool = True
-    pos_embedding: str = "learned"  # learned (GPT-2) | sinusoidal (Vaswani et al.)
+    n_kv_head: int = 0  # key/value heads: grouped-query attention (1: multi-query); 0: n_head
+    head_size: int = 0  # width of a head; 0: n_embd // n_head (Qwen3 sets it apart)
+    ffn_dim: int = 0  # MLP width; 0: 4 * n_embd (gelu) or 8/3 * n_embd rounded up to 32 (swiglu)
+    bias: bool = True  # biases in every linear layer and norm (GPT-2)
+    qkv_bias: bool = False  # biases on the query/key/value projections only (Qwen2)
+    pos_embedding: str = "learned"  # learned (GPT-2) | sinusoidal (Vaswani et al.) | rope | none
+    rope_theta: float = 10000.0  # RoPE base
+    norm: str = "layernorm"  # layernorm | rmsnorm | dyt (dynamic tanh, no normalization)
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # gelu | swiglu (gated, SiLU)
     activation: str = "gelu_tanh"  # gelu_tanh (GPT-2's "gelu_new") | gelu (exact, nanoGPT's nn.GELU)
+    qk_norm: bool = False  # RMSNorm of queries and keys per head (Qwen3)
+    tie_embeddings: bool = True  # the LM head is the token embedding
 
     @property
     def padded_vocab_size(self) -> int:
@@ -41,7 +51,17 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        return 4 * self.n_embd if self.mlp == "gelu" else 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
 
 @dataclass(frozen=True)
@@ -115,6 +135,7 @@ _GPT2_TRAIN = dict(
     learning_rate=6e-4, min_lr=6e-5, warmup_iters=2000, weight_decay=0.1, beta2=0.95,
     eval_interval=1000, eval_iters=200, log_interval=10,
 )
+_LLAMA = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu")
 PRESETS: dict[str, dict[str, Any]] = {
     # nanoGPT's CPU example (its README, "I only have a MacBook"): a minute on a 2-core CPU. Its
     # learning rate, 1e-3 (from the baby GPT's config), is too low for this small model and short
@@ -138,6 +159,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                        bias=True, dropout=0.0, **_GPT2_TRAIN),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, vocab_size=50257,
                     bias=True, dropout=0.0, **_GPT2_TRAIN),
+    # The modern block (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head): for tests.
+    "llama-tiny": dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=64, dropout=0.0,
+                       bias=False, **_LLAMA, tie_embeddings=False, batch_size=4, max_iters=20,
+                       lr_decay_iters=20, warmup_iters=2, eval_interval=10, eval_iters=2,
+                       log_interval=5),
+    # Shapes only (no weights are downloaded): HuggingFaceTB/SmolLM-135M and Llama 3.2 1B.
+    "smollm-135m": dict(n_layer=30, n_head=9, n_kv_head=3, n_embd=576, ffn_dim=1536, block_size=2048,
+                        vocab_size=49152, bias=False, **_LLAMA, dropout=0.0, **_GPT2_TRAIN),
+    "llama-1b": dict(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, ffn_dim=8192, block_size=2048,
+                     vocab_size=128256, bias=False, **dict(_LLAMA, rope_theta=500000.0),
+                     dropout=0.0, **_GPT2_TRAIN),
     # For tests: a model that compiles and trains in a second.
     "tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, bias=True,
                  batch_size=4, max_iters=20, lr_decay_iters=20, warmup_iters=2, eval_interval=10,
@@ -145,7 +177,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _CHOICES = {
-    "pos_embedding": ("learned", "sinusoidal"),
+    "pos_embedding": ("learned", "sinusoidal", "rope", "none"),
+    "norm": ("layernorm", "rmsnorm", "dyt"),
+    "mlp": ("gelu", "swiglu"),
     "activation": ("gelu_tanh", "gelu"),
     "dtype": ("auto", "float32", "bfloat16"),
     "attention": ("auto", "xla", "cudnn", "einsum"),
@@ -330,13 +364,22 @@ def _check_positive(obj: Any, *names: str, allow_zero: bool = False) -> None:
 
 
 def validate_model(m: ModelConfig) -> ModelConfig:
-    _check_positive(m, "vocab_size", "block_size", "n_layer", "n_head", "n_embd")
-    if m.n_embd % m.n_head:
-        raise UserError(f"--n_embd={m.n_embd} must be divisible by --n_head={m.n_head}")
-    for name in ("pos_embedding", "activation"):
+    _check_positive(m, "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "rope_theta",
+                    "norm_eps")
+    _check_positive(m, "n_kv_head", "head_size", "ffn_dim", allow_zero=True)
+    if m.n_embd % m.n_head and not m.head_size:
+        raise UserError(f"--n_embd={m.n_embd} must be divisible by --n_head={m.n_head} (or set "
+                        f"--head_size)")
+    if m.n_head % m.kv_heads:
+        raise UserError(f"--n_head={m.n_head} must be divisible by --n_kv_head={m.n_kv_head} (each "
+                        f"key/value head serves a whole group of query heads)")
+    for name in ("pos_embedding", "activation", "norm", "mlp"):
         _check_choice(m, name)
     if m.pos_embedding == "sinusoidal" and m.n_embd % 2:
         raise UserError(f"--n_embd={m.n_embd} must be even for sinusoidal position embeddings")
+    if m.pos_embedding == "rope" and m.head_dim % 2:
+        raise UserError(f"RoPE needs an even head dimension, got {m.head_dim} (n_embd / n_head); "
+                        f"change --n_embd or --n_head")
     return m
 
 

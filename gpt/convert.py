@@ -1,13 +1,16 @@
-"""Hugging Face GPT-2 <-> our checkpoints.
+"""Hugging Face GPT-2 and Llama-family models <-> our checkpoints.
 
     python -m gpt.convert --from_hf HF_DIR --out_dir OUT [--overwrite]
     python -m gpt.convert --to_hf --out_dir OUT --hf_dir HF_DIR [--overwrite]
 
-A Hugging Face GPT-2 directory is `config.json` + `model.safetensors` (GPT2LMHeadModel). Weights are
-read with safetensors only: pickle files (`pytorch_model.bin`) can run arbitrary code when loaded,
-so they are never opened.
+A Hugging Face directory is `config.json` + `model.safetensors` (or sharded safetensors with
+`model.safetensors.index.json`); the architecture comes from config.json's model_type: gpt2
+(GPT2LMHeadModel, mapped below) or llama / mistral / qwen2 / qwen3 (gpt/convert_llama.py). Weights
+are read with safetensors only: pickle files (`pytorch_model.bin`) can run arbitrary code when
+loaded, so they are never opened.
 
-Layout (HF's Conv1D weights are [in, out], the same orientation as ours):
+GPT-2 layout:
+(HF's Conv1D weights are [in, out], the same orientation as ours)
     wte [V, D]             <-> wte [V_padded, D] (padded rows are zero; dropped on export)
     wpe [P, D]             <-> wpe [block_size, D]
     h.i.ln_1.{weight,bias} <-> blocks.ln1_{scale,bias}[i]
@@ -32,6 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from gpt import convert_llama as llama
 from gpt.config import ModelConfig, to_dict, validate_model
 from gpt.errors import ArgParser, UserError, run_main
 
@@ -86,14 +90,8 @@ def _read_hf_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
-    """Our ModelConfig from a Hugging Face GPT-2 config dict; anything we cannot run is a UserError."""
-    model_type = hf.get("model_type")
-    if model_type != "gpt2":
-        arch = ", ".join(hf.get("architectures") or []) or "unknown architecture"
-        raise UserError(f"{where} describes model_type {model_type!r} ({arch}); only Hugging Face "
-                        f"GPT-2 models (model_type 'gpt2', GPT2LMHeadModel) can be converted")
-
+def _int_getter(hf: dict[str, Any], where: str):
+    """get(*names): the first of `names` present in `hf`, which must be a positive integer."""
     def get_int(*names: str) -> int:
         for n in names:
             v = hf.get(n)
@@ -101,8 +99,20 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
                 if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                     raise UserError(f"{where}: {n}={v!r} must be a positive integer")
                 return v
-        raise UserError(f"{where} has no {names[0]} (not a complete GPT-2 config)")
+        raise UserError(f"{where} has no {names[0]} (not a complete {hf.get('model_type')} config)")
+    return get_int
 
+
+def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    """Our ModelConfig from a Hugging Face config dict; anything we cannot run is a UserError."""
+    model_type = hf.get("model_type")
+    get_int = _int_getter(hf, where)
+    if model_type in llama.ARCHITECTURES:
+        return llama.config_from_hf(hf, where, get_int)
+    if model_type != "gpt2":
+        arch = ", ".join(hf.get("architectures") or []) or "unknown architecture"
+        raise UserError(f"{where} describes model_type {model_type!r} ({arch}), which is not "
+                        f"supported; supported: gpt2, {', '.join(llama.ARCHITECTURES)}")
     n_embd, n_layer, n_head = get_int("n_embd"), get_int("n_layer"), get_int("n_head")
     block_size, vocab_size = get_int("n_positions", "n_ctx"), get_int("vocab_size")
     act = hf.get("activation_function", "gelu_new")
@@ -122,7 +132,7 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
             raise UserError(f"{where}: {key}={hf[key]!r} is not supported (GPT-2 uses {want})")
     cfg = ModelConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                       n_embd=n_embd, bias=True, pos_embedding="learned",
-                      activation=HF_ACTIVATIONS[act])
+                      activation=HF_ACTIVATIONS[act], norm_eps=1e-5)
     try:
         return validate_model(cfg)
     except UserError as e:
@@ -220,7 +230,8 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
     hf = _read_hf_config(d / CONFIG_FILE)
     cfg = config_from_hf(hf, str(d / CONFIG_FILE))
     handles = _open_weights(d)
-    prefix = "transformer." if "transformer.wte.weight" in handles else ""
+    gpt2 = hf.get("model_type") == "gpt2"
+    prefix = "transformer." if gpt2 and "transformer.wte.weight" in handles else ""
 
     def read(name: str, shape: tuple[int, ...], key: str | None = None) -> np.ndarray:
         key = key or prefix + name
@@ -239,8 +250,10 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
             raise UserError(f"tensor {key} in {d} contains NaN or infinite values; the weights are corrupt")
         return a
 
-    shapes = _hf_shapes(cfg)
+    shapes = _hf_shapes(cfg) if gpt2 else llama.hf_shapes(cfg)
     t = {name: read(name, shape) for name, shape in shapes.items()}
+    if not gpt2:
+        return cfg, llama.params_from_hf(t, cfg)
     # Our LM head is the token embedding. A tied HF model ignores any stored lm_head.weight; an
     # untied one is accepted only if its head equals the embedding anyway.
     if hf.get("tie_word_embeddings", True) is False:
@@ -273,6 +286,16 @@ def params_from_hf(t: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, Any]
 # ----------------------------------------------------------------------------- writing
 
 
+def gpt2_differences(cfg: ModelConfig) -> list[str]:
+    """What keeps `cfg` from being a GPT-2 model (empty: it is one)."""
+    want = dict(pos_embedding="learned", norm="layernorm", mlp="gelu", n_kv_head=0, head_size=0,
+                qkv_bias=False, qk_norm=False, tie_embeddings=True, norm_eps=1e-5)
+    diff = [f"{k}={getattr(cfg, k)}" for k, v in want.items() if getattr(cfg, k) not in (v,)]
+    if cfg.ffn_dim not in (0, 4 * cfg.n_embd):
+        diff.append(f"ffn_dim={cfg.ffn_dim}")
+    return diff
+
+
 def check_gpt2_compatible(cfg: ModelConfig) -> None:
     if not cfg.bias:
         raise UserError("this model has no biases (bias=False); Hugging Face GPT-2 always has them, "
@@ -280,6 +303,14 @@ def check_gpt2_compatible(cfg: ModelConfig) -> None:
     if cfg.pos_embedding != "learned":
         raise UserError(f"this model uses {cfg.pos_embedding} position embeddings; Hugging Face GPT-2 "
                         f"needs learned ones, so it cannot be exported as GPT-2")
+    diff = gpt2_differences(cfg)
+    if diff:
+        raise UserError(f"this model ({', '.join(diff)}) is not a GPT-2 model and not Llama-family "
+                        f"(rope + rmsnorm + swiglu), so it cannot be exported to Hugging Face")
+
+
+def is_llama_family(cfg: ModelConfig) -> bool:
+    return cfg.pos_embedding == "rope" or cfg.norm == "rmsnorm" or cfg.mlp == "swiglu"
 
 
 def hf_tensors(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -320,8 +351,9 @@ def hf_tensors(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray
 
 
 def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_id: Any = _UNSET,
-          dropout: float = 0.0, overwrite: bool = False) -> Path:
-    """Write `config.json` + `model.safetensors` loadable by GPT2LMHeadModel.from_pretrained.
+          dropout: float = 0.0, overwrite: bool = False, source_type: str | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` loadable by AutoModelForCausalLM.from_pretrained:
+    GPT2LMHeadModel, or for the modern block Llama/Qwen2/Qwen3 (Mistral if it came from one).
 
     The directory appears complete or not at all: both files are written into a temporary sibling
     directory that is then renamed. An existing non-empty `hf_dir` is replaced only with
@@ -329,8 +361,13 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
     """
     from safetensors.numpy import save_file
 
-    tensors = hf_tensors(params, cfg)
-    config = hf_config(cfg, eot_id, dropout)
+    if is_llama_family(cfg):
+        llama.check_compatible(cfg)
+        tensors = llama.hf_tensors(params, cfg)
+        eos = None if eot_id is _UNSET else eot_id
+        config = llama.hf_config(cfg, llama.model_type_for(cfg, source_type), eos, eos)
+    else:
+        tensors, config = hf_tensors(params, cfg), hf_config(cfg, eot_id, dropout)
     dest = Path(hf_dir).absolute()
     if dest.exists() and not dest.is_dir():
         raise UserError(f"{dest} exists and is not a directory; pass a new --hf_dir")
@@ -377,7 +414,8 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
     cfg, params = load_hf(hf_dir)
     meta: dict[str, Any] = {"format_version": ckpt.FORMAT_VERSION, "step": 0,
                             "config": {"model": to_dict(cfg), "train": {}},
-                            "source": str(Path(hf_dir).absolute())}
+                            "source": str(Path(hf_dir).absolute()),
+                            "hf_model_type": _read_hf_config(Path(hf_dir) / CONFIG_FILE).get("model_type")}
     if cfg.vocab_size == GPT2_VOCAB:
         from gpt.tokenizer import gpt2_tokenizer
         meta["tokenizer"] = gpt2_tokenizer().spec
@@ -409,13 +447,18 @@ def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool
     except (KeyError, TypeError) as e:
         raise UserError(f"the checkpoint in {out_dir} (step {step}) has no model config ({e}); "
                         f"it is damaged") from None
-    check_gpt2_compatible(cfg)
+    if is_llama_family(cfg):
+        llama.check_compatible(cfg)
+    else:
+        check_gpt2_compatible(cfg)
     from gpt.model import abstract_params
     reader = ckpt.Checkpointer(out_dir, read_only=True)
     step, params, _, meta = reader.restore(abstract_params(cfg), step=step)
     tok = meta.get("tokenizer")
     eot = tok.get("eot_id") if isinstance(tok, dict) and "eot_id" in tok else _UNSET
-    dest = to_hf(params, cfg, hf_dir, eot_id=eot, dropout=dropout, overwrite=overwrite)
+    source = meta.get("hf_model_type") if isinstance(meta.get("hf_model_type"), str) else None
+    dest = to_hf(params, cfg, hf_dir, eot_id=eot, dropout=dropout, overwrite=overwrite,
+                 source_type=source)
     return f"exported step {step} of {out_dir} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, " \
            f"vocab {cfg.vocab_size}) to {dest}"
 

@@ -31,6 +31,8 @@ from gpt.ops.dense import dense
 from gpt.ops.dropout import dropout
 from gpt.runtime import Runtime
 
+DYT_ALPHA = 0.5  # DyT's initial alpha (the paper's default)
+
 
 class KVCache(NamedTuple):
     """Preallocated keys/values of every layer plus where to write next.
@@ -47,7 +49,7 @@ class KVCache(NamedTuple):
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype,
                start_B: jax.Array | None = None) -> KVCache:
-    shape = (cfg.n_layer, batch, max_len, cfg.n_head, cfg.head_dim)
+    shape = (cfg.n_layer, batch, max_len, cfg.kv_heads, cfg.head_dim)  # GQA: n_kv_head heads
     start = jnp.zeros((batch,), jnp.int32) if start_B is None else jnp.asarray(start_B, jnp.int32)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.array(0, jnp.int32), start)
 
@@ -61,6 +63,38 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: floa
     var = jnp.square(x - mean).mean(-1, keepdims=True)
     y = (x - mean) * jax.lax.rsqrt(var + eps) * scale
     return y + bias if bias is not None else y
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """RMSNorm (Llama): no centring and no bias, in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps) * scale
+
+
+def dyt(x: jax.Array, alpha: jax.Array, scale: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """Dynamic tanh (Zhu et al., 2025), the normalization-free replacement: scale * tanh(alpha x)."""
+    y = jnp.tanh(alpha * x.astype(jnp.float32)) * scale
+    return y + bias if bias is not None else y
+
+
+def normalize(x: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:
+    """The block's norm (`cfg.norm`) with parameters `p` = {scale, bias, alpha} (absent ones None)."""
+    if cfg.norm == "rmsnorm":
+        return rms_norm(x, p["scale"], cfg.norm_eps)
+    if cfg.norm == "dyt":
+        return dyt(x, p["alpha"], p["scale"], p["bias"])
+    return layer_norm(x, p["scale"], p["bias"], cfg.norm_eps)
+
+
+def rope(x_BTHK: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding in Hugging Face Llama's layout: the head dim's first half is
+    rotated against its second half (no interleaving), so imported q/k weights need no permutation."""
+    half = x_BTHK.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half)))
+    angles_BTk = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(angles_BTk)[:, :, None], jnp.sin(angles_BTk)[:, :, None]
+    x1, x2 = x_BTHK[..., :half].astype(jnp.float32), x_BTHK[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTHK.dtype)
 
 
 def sinusoidal(positions: jax.Array, dim: int) -> jax.Array:
@@ -104,51 +138,105 @@ def _normal(key, shape, std, axes) -> nnx.Param:
 # ----------------------------------------------------------------------------- modules
 
 
+def _norm_params(cfg: ModelConfig) -> tuple[nnx.Param, nnx.Param | None, nnx.Param | None]:
+    """(scale, bias, alpha) of one norm: RMSNorm has no bias, only DyT has alpha."""
+    D = cfg.n_embd
+    bias = _param(jnp.zeros((D,)), ("embed",)) if cfg.bias and cfg.norm != "rmsnorm" else None
+    alpha = _param(jnp.full((), DYT_ALPHA), ()) if cfg.norm == "dyt" else None
+    return _param(jnp.ones((D,)), ("embed",)), bias, alpha
+
+
+def _norm(scale, bias, alpha) -> dict:
+    return {"scale": scale[...], "bias": _value(bias), "alpha": _value(alpha)}
+
+
 class Block(nnx.Module):
-    """Pre-LayerNorm Transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-norm Transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)).
+
+    Multi-head attention (n_kv_head == n_head, GPT-2 included) keeps q, k and v in one fused
+    projection w_qkv; grouped-query attention has w_q and a smaller w_kv. The gated (SwiGLU) MLP
+    fuses gate and up projections in w_fc [D, 2, F].
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, H, K, F = cfg.n_embd, cfg.n_head, cfg.head_dim, 4 * cfg.n_embd
+        D, H, G, K, F = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.ffn
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
-        bias = lambda shape, axes: _param(jnp.zeros(shape), axes) if cfg.bias else None
-        self.ln1_scale = _param(jnp.ones((D,)), ("embed",))
-        self.ln1_bias = bias((D,), ("embed",))
-        self.w_qkv = _normal(rngs.params(), (D, 3, H, K), 0.02, ("embed", None, "heads", None))
-        self.b_qkv = bias((3, H, K), (None, "heads", None))
+        bias = lambda on, shape, axes: _param(jnp.zeros(shape), axes) if on else None
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.ln1_scale, self.ln1_bias, self.ln1_alpha = _norm_params(cfg)
+        fused = G == H
+        self.w_qkv = _normal(rngs.params(), (D, 3, H, K), 0.02, ("embed", None, "heads", None)) \
+            if fused else None
+        self.b_qkv = bias(fused and qkv_bias, (3, H, K), (None, "heads", None))
+        self.w_q = None if fused else _normal(rngs.params(), (D, H, K), 0.02, ("embed", "heads", None))
+        self.b_q = bias(not fused and qkv_bias, (H, K), ("heads", None))
+        self.w_kv = None if fused else \
+            _normal(rngs.params(), (D, 2, G, K), 0.02, ("embed", None, "kv_heads", None))
+        self.b_kv = bias(not fused and qkv_bias, (2, G, K), (None, "kv_heads", None))
+        self.q_norm = _param(jnp.ones((K,)), (None,)) if cfg.qk_norm else None
+        self.k_norm = _param(jnp.ones((K,)), (None,)) if cfg.qk_norm else None
         self.w_o = _normal(rngs.params(), (H, K, D), proj_std, ("heads", None, "embed"))
-        self.b_o = bias((D,), ("embed",))
-        self.ln2_scale = _param(jnp.ones((D,)), ("embed",))
-        self.ln2_bias = bias((D,), ("embed",))
-        self.w_fc = _normal(rngs.params(), (D, F), 0.02, ("embed", "mlp"))
-        self.b_fc = bias((F,), ("mlp",))
+        self.b_o = bias(cfg.bias, (D,), ("embed",))
+        self.ln2_scale, self.ln2_bias, self.ln2_alpha = _norm_params(cfg)
+        if cfg.mlp == "swiglu":
+            self.w_fc = _normal(rngs.params(), (D, 2, F), 0.02, ("embed", None, "mlp"))
+            self.b_fc = bias(cfg.bias, (2, F), (None, "mlp"))
+        else:
+            self.w_fc = _normal(rngs.params(), (D, F), 0.02, ("embed", "mlp"))
+            self.b_fc = bias(cfg.bias, (F,), ("mlp",))
         self.w_proj = _normal(rngs.params(), (F, D), proj_std, ("mlp", "embed"))
-        self.b_proj = bias((D,), ("embed",))
+        self.b_proj = bias(cfg.bias, (D,), ("embed",))
 
-    def __call__(self, x_BTD, kv, mask_BTS, cache_index, cfg: ModelConfig, rt: Runtime, key):
-        """`kv`: this layer's cache (k, v) [B, S, H, K] or None; returns x and the updated kv."""
+    def qkv(self, h_BTD, positions_BT, cfg: ModelConfig, mm):
+        """Queries [B, T, H, K] and keys/values [B, T, G, K]: projected, QK-normed, rotated."""
+        if self.w_qkv is not None:
+            qkv_BT3HK = mm(h_BTD, self.w_qkv[...], "btd,dchk->btchk") + _bias(self.b_qkv)
+            q_BTHK, k_BTGK, v_BTGK = (qkv_BT3HK[:, :, i] for i in range(3))
+        else:
+            q_BTHK = mm(h_BTD, self.w_q[...], "btd,dhk->bthk") + _bias(self.b_q)
+            kv_BT2GK = mm(h_BTD, self.w_kv[...], "btd,dcgk->btcgk") + _bias(self.b_kv)
+            k_BTGK, v_BTGK = kv_BT2GK[:, :, 0], kv_BT2GK[:, :, 1]
+        if cfg.qk_norm:  # per head, before the rotation (Qwen3)
+            q_BTHK = rms_norm(q_BTHK, self.q_norm[...], cfg.norm_eps)
+            k_BTGK = rms_norm(k_BTGK, self.k_norm[...], cfg.norm_eps)
+        if cfg.pos_embedding == "rope":
+            q_BTHK = rope(q_BTHK, positions_BT, cfg.rope_theta)
+            k_BTGK = rope(k_BTGK, positions_BT, cfg.rope_theta)
+        return q_BTHK, k_BTGK, v_BTGK
+
+    def mlp(self, h_BTD, cfg: ModelConfig, mm):
+        if cfg.mlp == "swiglu":
+            gu_BT2F = mm(h_BTD, self.w_fc[...], "btd,dcf->btcf") + _bias(self.b_fc)
+            h_BTF = jax.nn.silu(gu_BT2F[:, :, 0]) * gu_BT2F[:, :, 1]
+        else:
+            h_BTF = jax.nn.gelu(mm(h_BTD, self.w_fc[...], "btd,df->btf") + _bias(self.b_fc),
+                                approximate=cfg.activation == "gelu_tanh")
+        return mm(h_BTF, self.w_proj[...], "btf,fd->btd") + _bias(self.b_proj)
+
+    def __call__(self, x_BTD, kv, positions_BT, mask_BTS, cache_index, cfg: ModelConfig, rt: Runtime,
+                 key):
+        """`kv`: this layer's cache (k, v) [B, S, G, K] or None; returns x and the updated kv."""
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
         mm = lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp)
 
-        h_BTD = layer_norm(x_BTD, self.ln1_scale[...], _value(self.ln1_bias))
-        qkv_BT3HK = mm(h_BTD, self.w_qkv[...], "btd,dchk->btchk") + _bias(self.b_qkv)
-        q_BTHK, k_BTHK, v_BTHK = (qkv_BT3HK[:, :, i].astype(rt.dtype) for i in range(3))
+        h_BTD = normalize(x_BTD, _norm(self.ln1_scale, self.ln1_bias, self.ln1_alpha), cfg)
+        q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype) for a in self.qkv(h_BTD, positions_BT, cfg, mm))
         if kv is None:
-            k_BSHK, v_BSHK, impl = k_BTHK, v_BTHK, rt.attention
+            k_BSGK, v_BSGK, impl = k_BTGK, v_BTGK, rt.attention
         else:
             at = (0, cache_index, 0, 0)
             kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype), at)
-                       for c, new in zip(kv, (k_BTHK, v_BTHK)))
-            (k_BSHK, v_BSHK), impl = kv, rt.cached_attention
+                       for c, new in zip(kv, (k_BTGK, v_BTGK)))
+            (k_BSGK, v_BSGK), impl = kv, rt.cached_attention
+        groups = cfg.n_head // cfg.kv_heads  # each key/value head serves `groups` query heads
+        k_BSHK, v_BSHK = (jnp.repeat(a, groups, axis=2) if groups > 1 else a for a in (k_BSGK, v_BSGK))
         y_BTHK = attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl, cpu_layouts=rt.cpu_layouts,
                            rate=rt.dropout, key=keys[0], block=rt.attention_block)
         attn_BTD = mm(y_BTHK, self.w_o[...], "bthk,hkd->btd") + _bias(self.b_o)
         x_BTD = x_BTD + dropout(attn_BTD, rt.dropout, keys[1])
 
-        h_BTD = layer_norm(x_BTD, self.ln2_scale[...], _value(self.ln2_bias))
-        h_BTF = jax.nn.gelu(mm(h_BTD, self.w_fc[...], "btd,df->btf") + _bias(self.b_fc),
-                            approximate=cfg.activation == "gelu_tanh")
-        mlp_BTD = mm(h_BTF, self.w_proj[...], "btf,fd->btd") + _bias(self.b_proj)
-        return x_BTD + dropout(mlp_BTD, rt.dropout, keys[2]), kv
+        h_BTD = normalize(x_BTD, _norm(self.ln2_scale, self.ln2_bias, self.ln2_alpha), cfg)
+        return x_BTD + dropout(self.mlp(h_BTD, cfg, mm), rt.dropout, keys[2]), kv
 
 
 def _stack_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -173,8 +261,9 @@ class GPT(nnx.Module):
         self.wpe = _normal(rngs.params(), (cfg.block_size, D), 0.02, (None, "embed")) \
             if cfg.pos_embedding == "learned" else None
         self.blocks = _stack_blocks(cfg, rngs)
-        self.lnf_scale = _param(jnp.ones((D,)), ("embed",))
-        self.lnf_bias = _param(jnp.zeros((D,)), ("embed",)) if cfg.bias else None
+        self.lnf_scale, self.lnf_bias, self.lnf_alpha = _norm_params(cfg)
+        self.w_head = None if cfg.tie_embeddings else \
+            _normal(rngs.params(), (cfg.padded_vocab_size, D), 0.02, ("vocab", "embed"))
 
     def __call__(self, idx_BT: jax.Array, *, cache: KVCache | None = None,
                  dropout_key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
@@ -188,18 +277,21 @@ class GPT(nnx.Module):
         positions_BT, mask_BTS = cache_positions(cache, B, T)
         # The residual stream is float32 whatever dtype the weights are held in.
         x_BTD = self.wte[...][idx_BT].astype(jnp.float32)
-        x_BTD = x_BTD + (self.wpe[...][positions_BT] if self.wpe is not None
-                         else sinusoidal(positions_BT, cfg.n_embd))
+        if cfg.pos_embedding == "learned":
+            x_BTD = x_BTD + self.wpe[...][positions_BT]
+        elif cfg.pos_embedding == "sinusoidal":
+            x_BTD = x_BTD + sinusoidal(positions_BT, cfg.n_embd)  # rope: inside attention
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         x_BTD = dropout(x_BTD, self.rt.dropout, keys[0])
-        x_BTD, cache = self._layers(x_BTD, cache, mask_BTS, keys[1])
-        x_BTD = layer_norm(x_BTD, self.lnf_scale[...], _value(self.lnf_bias))
+        x_BTD, cache = self._layers(x_BTD, cache, positions_BT, mask_BTS, keys[1])
+        x_BTD = normalize(x_BTD, _norm(self.lnf_scale, self.lnf_bias, self.lnf_alpha), cfg)
         rt = self.rt
-        logits_BTV = dense(x_BTD, self.wte[...], "btd,vd->btv", rt.dtype, rt.cpu_layouts, rt.dense_vjp)
+        head = self.wte if self.w_head is None else self.w_head
+        logits_BTV = dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, rt.cpu_layouts, rt.dense_vjp)
         valid_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
         return jnp.where(valid_V, logits_BTV, -jnp.inf), cache
 
-    def _layers(self, x_BTD, cache: KVCache | None, mask_BTS, key):
+    def _layers(self, x_BTD, cache: KVCache | None, positions_BT, mask_BTS, key):
         """The blocks as a scan over the stacked parameters; each layer's cache slices are the
         scan's inputs and outputs (no stacked cache carried through every layer)."""
         cfg, rt = self.cfg, self.rt
@@ -210,7 +302,7 @@ class GPT(nnx.Module):
             layer_state, layer, kv = xs
             layer_key = None if key is None else jax.random.fold_in(key, layer)
             block = nnx.merge(graphdef, layer_state)
-            return block(x_BTD, kv, mask_BTS, index, cfg, rt, layer_key)
+            return block(x_BTD, kv, positions_BT, mask_BTS, index, cfg, rt, layer_key)
 
         if rt.remat in REMAT_POLICIES:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[rt.remat])
@@ -227,25 +319,29 @@ class GPT(nnx.Module):
 
 
 def num_params(cfg: ModelConfig, *, include_position: bool = True) -> int:
-    """Parameter count without vocabulary padding (what transformers reports for GPT-2)."""
-    D, L, F = cfg.n_embd, cfg.n_layer, 4 * cfg.n_embd
-    b = 1 if cfg.bias else 0
-    per_block = (D * 3 * D + b * 3 * D) + (D * D + b * D) + (D * F + b * F) + (F * D + b * D) \
-        + 2 * (D + b * D)
-    total = cfg.vocab_size * D + L * per_block + (D + b * D)
+    """Parameter count without vocabulary padding (what transformers reports)."""
+    D, L, H, G, K, F = cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.ffn
+    norm = D * (1 + (cfg.bias and cfg.norm != "rmsnorm")) + (cfg.norm == "dyt")
+    qkv_b = (cfg.bias or cfg.qkv_bias) * (H + 2 * G) * K
+    attn = D * (H + 2 * G) * K + qkv_b + H * K * D + cfg.bias * D + 2 * K * cfg.qk_norm
+    gates = 2 if cfg.mlp == "swiglu" else 1
+    mlp = gates * (D * F + cfg.bias * F) + F * D + cfg.bias * D
+    total = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2) + L * (2 * norm + attn + mlp) + norm
     if include_position and cfg.pos_embedding == "learned":
         total += cfg.block_size * D
-    return total
+    return int(total)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token: 6N + 12*L*T*D (PaLM, appendix B).
+    """Training FLOPs per token: 6N + 12*L*T*H*K (PaLM, appendix B).
 
-    N excludes the position embeddings and the vocabulary padding; the tied token embedding counts
-    once, for the LM head's matmul (nanoGPT's convention). Padding is wasted work, not model work.
+    N counts the parameters that take part in matmuls: no position embeddings, no vocabulary
+    padding, and the token embedding once, for the LM head (nanoGPT's convention; an untied model's
+    input embedding is a lookup). Padding is wasted work, not model work.
     """
     T = seq_len or cfg.block_size
-    return 6 * num_params(cfg, include_position=False) + 12 * cfg.n_layer * T * cfg.n_embd
+    n = num_params(cfg, include_position=False) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.n_embd)
+    return 6 * n + 12 * cfg.n_layer * T * cfg.n_head * cfg.head_dim
 
 
 def abstract_model(cfg: ModelConfig, seed: int = 0, runtime: Runtime | None = None) -> GPT:

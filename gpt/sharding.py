@@ -24,7 +24,9 @@ from gpt.errors import UserError
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
-TENSOR_LOGICAL = ("heads", "mlp", "vocab")  # logical axes that tensor parallelism splits
+# Logical axes that tensor parallelism splits (only where the size divides: key/value heads fewer
+# than the tensor axis stay replicated).
+TENSOR_LOGICAL = ("heads", "kv_heads", "mlp", "vocab")
 
 
 def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
@@ -69,9 +71,8 @@ def check_divisibility(cfg: ModelConfig, mesh: Mesh, global_batch: int) -> None:
     tp = mesh.shape["tensor"]
     if cfg.n_head % tp:
         raise UserError(f"--n_head={cfg.n_head} is not divisible by the tensor-parallel degree {tp}")
-    if (4 * cfg.n_embd) % tp:
-        raise UserError(f"the MLP width {4 * cfg.n_embd} is not divisible by the tensor-parallel "
-                        f"degree {tp}")
+    if cfg.ffn % tp:
+        raise UserError(f"the MLP width {cfg.ffn} is not divisible by the tensor-parallel degree {tp}")
 
 
 def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:

@@ -68,9 +68,9 @@ def w(tmp_path_factory, char_data):
     (root / "short.txt").write_text("To be.\n")  # far fewer tokens than block_size + 1
     (root / "a_file").write_text("x")
     (root / "hf_noconfig").mkdir()
-    (root / "hf_llama").mkdir()
-    (root / "hf_llama" / "config.json").write_text(json.dumps({"model_type": "llama",
-                                                               "architectures": ["LlamaForCausalLM"]}))
+    (root / "hf_gemma").mkdir()
+    (root / "hf_gemma" / "config.json").write_text(json.dumps({"model_type": "gemma",
+                                                               "architectures": ["GemmaForCausalLM"]}))
     (root / "hf_bin").mkdir()
     (root / "hf_bin" / "config.json").write_text(json.dumps({
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 50257, "n_positions": 1024,
@@ -163,7 +163,7 @@ def cases(w) -> list[Case]:
              "does not exist", new),
         Case("convert no config", C + ["--from_hf", str(root / "hf_noconfig"), f"--out_dir={new}"],
              "config.json", new),
-        Case("convert not gpt2", C + ["--from_hf", str(root / "hf_llama"), f"--out_dir={new}"], "llama", new),
+        Case("convert not gpt2", C + ["--from_hf", str(root / "hf_gemma"), f"--out_dir={new}"], "gemma", new),
         Case("convert pickle only", C + ["--from_hf", str(root / "hf_bin"), f"--out_dir={new}"],
              "pytorch_model.bin", new),
         Case("convert to_hf no dir", C + ["--to_hf", f"--out_dir={good}"], "--hf_dir", good),

@@ -160,10 +160,10 @@ def _bad_dirs(root: Path, good: Path) -> dict[str, tuple[list[str], str]]:
     cases["missing_dir"] = (["--from_hf", str(root / "nope")], "does not exist")
     (root / "noconfig").mkdir()
     cases["missing_config"] = (["--from_hf", str(root / "noconfig")], "config.json")
-    (root / "llama").mkdir()
-    (root / "llama" / "config.json").write_text(json.dumps(
-        {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    cases["llama"] = (["--from_hf", str(root / "llama")], "LlamaForCausalLM")
+    (root / "gemma").mkdir()
+    (root / "gemma" / "config.json").write_text(json.dumps(
+        {"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}))
+    cases["gemma"] = (["--from_hf", str(root / "gemma")], "GemmaForCausalLM")
     (root / "pickle").mkdir()
     (root / "pickle" / "config.json").write_text((good / "config.json").read_text())
     (root / "pickle" / "pytorch_model.bin").write_bytes(b"not read")

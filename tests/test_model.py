@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import tiny_gpt, tiny_model_config
+from helpers import tiny_gpt, tiny_model_config, tiny_runtime
 from gpt import model as M
 from gpt.config import PRESETS, ModelConfig
 
@@ -143,3 +143,71 @@ def test_weights_held_in_bf16_run_with_and_without_cache():
     cached, _ = half(idx, cache=init_cache(cfg, 1, 8, jnp.bfloat16))
     assert float(jnp.abs(got - full)[..., :65].max()) < 0.1
     assert float(jnp.abs(cached - got)[..., :65].max()) < 0.05
+
+
+MODERN = {  # the modern block's options, each mixed with others
+    "llama": dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_head=4, n_kv_head=2,
+                  bias=False, tie_embeddings=False),
+    "mqa-qknorm": dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_head=4, n_kv_head=1,
+                       qk_norm=True, head_size=12, rope_theta=5e5, bias=False),
+    "dyt-qkvbias": dict(pos_embedding="rope", norm="dyt", mlp="gelu", n_head=4, n_kv_head=2,
+                        qkv_bias=True, bias=False),
+    "nopos-mha": dict(pos_embedding="none", norm="rmsnorm", mlp="swiglu", n_head=2, ffn_dim=40),
+}
+
+
+@pytest.mark.parametrize("name", list(MODERN))
+def test_modern_block_cache_matches_full_forward(name):
+    """Cached decoding == full recompute for every mix of the new options (RoPE keys are cached
+    already rotated at their absolute positions; GQA caches hold n_kv_head heads)."""
+    cfg = tiny_model_config(**MODERN[name])
+    model = make(cfg)
+    x = tokens(2, 20, 65)
+    full, _ = model(x)
+    cache = M.init_cache(cfg, 2, 32, jnp.float32)
+    assert cache.k_LBSHK.shape[3] == cfg.kv_heads
+    out, cache = model(x[:, :7], cache=cache)
+    parts = [out]
+    for t in range(7, 20):
+        o, cache = model(x[:, t:t + 1], cache=cache)
+        parts.append(o)
+    got = jnp.concatenate(parts, axis=1)
+    assert float(jnp.abs(got[..., :65] - full[..., :65]).max()) < 1e-4
+
+
+@pytest.mark.parametrize("name", list(MODERN))
+def test_modern_block_kernels_agree_with_reference(name):
+    """The CPU kernels (custom-VJP dense, blocked attention with dropout) serve the new options:
+    loss gradients equal the plain reference's."""
+    cfg = tiny_model_config(**MODERN[name])
+    params = nnx.state(make(cfg))
+    x = tokens(2, 16, 65)
+
+    def loss(p, rt):
+        m = nnx.merge(nnx.graphdef(M.GPT(cfg, rngs=nnx.Rngs(0), runtime=rt)), p)
+        logits, _ = m(x, dropout_key=jax.random.key(3))
+        return jnp.mean(jax.nn.logsumexp(logits[..., :65], -1))
+
+    fast = tiny_runtime(cfg, dropout=0.1, attention_block=8)
+    ref = tiny_runtime(cfg, dropout=0.1, attention="reference", dense_vjp=False)
+    assert fast.attention == "blocked"
+    for a, b in zip(jax.tree.leaves(jax.grad(loss)(params, fast)), jax.tree.leaves(jax.grad(loss)(params, ref))):
+        assert float(jnp.max(jnp.abs(a - b))) / (float(jnp.max(jnp.abs(b))) or 1.0) < 1e-5
+
+
+def test_modern_params_flops_and_bad_shapes():
+    """num_params counts exactly the parameters built (GQA, SwiGLU, QK-norm, untied head, DyT's
+    alpha); flops use the attention width H*K; impossible shapes are one clear error."""
+    from gpt.config import validate_model
+    from gpt.errors import UserError
+    for name, kw in MODERN.items():
+        cfg = tiny_model_config(**kw)
+        built = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.state(make(cfg))))
+        padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.n_embd * (1 + (not cfg.tie_embeddings))
+        assert M.num_params(cfg) == built - padding, name
+    cfg = tiny_model_config(**MODERN["mqa-qknorm"])
+    assert M.flops_per_token(cfg, 32) == 6 * (M.num_params(cfg) - 0) + 12 * 2 * 32 * 4 * 12
+    with pytest.raises(UserError, match="--n_head=4 must be divisible by --n_kv_head=3"):
+        validate_model(tiny_model_config(n_head=4, n_kv_head=3))
+    with pytest.raises(UserError, match="RoPE needs an even head dimension"):
+        validate_model(tiny_model_config(n_embd=36, n_head=4, pos_embedding="rope"))

@@ -358,3 +358,43 @@ def test_bad_mesh_input(char_data, tmp_path, args, words):
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     print(json.dumps(_worker(json.loads(sys.argv[1]))), flush=True)
+
+
+_GQA_SCRIPT = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from gpt import sharding
+from gpt.config import ModelConfig
+from gpt.model import GPT
+cfg = ModelConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                  bias=False, pos_embedding="rope", norm="rmsnorm", mlp="swiglu", tie_embeddings=False)
+model = GPT(cfg, rngs=nnx.Rngs(0))
+gd, state = nnx.split(model)
+params = nnx.to_pure_dict(state)
+x = jax.random.randint(jax.random.key(1), (4, 16), 0, 65)
+loss = lambda p, x: jnp.mean(jax.nn.logsumexp(nnx.merge(gd, p)(x)[0][..., :65], -1))
+ref_l, ref_g = jax.value_and_grad(loss)(params, x)
+out = {}
+for spec in ("tensor:4", "fsdp:2,tensor:2"):
+    mesh = sharding.make_mesh(spec)
+    shard = sharding.param_shardings(state, mesh)
+    p = jax.device_put(params, shard)
+    xs = jax.device_put(x, sharding.batch_sharding(mesh))
+    l, g = jax.jit(jax.value_and_grad(loss))(p, xs)
+    kv = shard["blocks"]["w_kv"].spec
+    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)))
+    out[spec] = [abs(float(l) - float(ref_l)), err, str(kv), str(shard["blocks"]["w_q"].spec)]
+print(json.dumps(out))
+"""
+
+
+def test_gqa_sharded_equals_one_device():
+    """Tensor parallelism shards query heads; key/value heads too where the tensor axis divides
+    them (2 KV heads over 2), else they stay replicated (2 over 4): loss and gradients == one device."""
+    from helpers import run_on_4_cpu_devices
+    out = run_on_4_cpu_devices(_GQA_SCRIPT)
+    for spec, (dl, dg, kv, q) in out.items():
+        assert dl < 1e-5 and dg < 1e-5, (spec, dl, dg)
+        assert "tensor" in q
+    assert "tensor" not in out["tensor:4"][2] and "tensor" in out["fsdp:2,tensor:2"][2]

@@ -1,0 +1,215 @@
+"""Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2, Qwen3) <-> our parameters.
+
+gpt/convert.py reads and writes the directories (config.json, safetensors, atomic output); this
+module maps their configs and tensors. Layout (torch Linear weights are [out, in], ours [in, out]):
+    model.embed_tokens.weight [V, D]        <-> wte [V_padded, D]
+    lm_head.weight [V, D] (untied models)   <-> w_head [V_padded, D]
+    layers.i.input_layernorm.weight         <-> blocks.ln1_scale[i]
+    layers.i.self_attn.{q,k,v}_proj.weight  <-> blocks.w_qkv[i] [D, 3, H, K] (n_kv_head == n_head)
+                                                or w_q[i] [D, H, K] and w_kv[i] [D, 2, G, K]
+    layers.i.self_attn.{q,k,v}_proj.bias    <-> b_qkv / b_q, b_kv (Qwen2)
+    layers.i.self_attn.{q,k}_norm.weight    <-> q_norm / k_norm [K] (Qwen3)
+    layers.i.self_attn.o_proj.weight [D, H*K] <-> w_o[i] [H, K, D]
+    layers.i.post_attention_layernorm       <-> ln2_scale[i]
+    layers.i.mlp.{gate,up}_proj.weight      <-> w_fc[i] [D, 2, F];  down_proj <-> w_proj[i] [F, D]
+    model.norm.weight                       <-> lnf_scale
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from gpt.config import ModelConfig, validate_model
+from gpt.errors import UserError
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _rope_theta(hf: dict[str, Any], where: str) -> float:
+    """rope_theta from the config (top level, or transformers 5's rope_parameters); rope scaling
+    (Llama 3's, YaRN, linear, dynamic) changes the positions and is not implemented."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    for d in (params, scaling):
+        kind = d.get("rope_type", d.get("type", "default")) if isinstance(d, dict) else d
+        if kind != "default":
+            raise UserError(f"{where}: rope scaling {kind!r} is not supported (only plain RoPE, "
+                            f"rope_type 'default'); use a model without rope_scaling")
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise UserError(f"{where}: rope_theta={theta!r} must be a positive number")
+    return float(theta)
+
+
+def _check_unsupported(hf: dict[str, Any], model_type: str, where: str) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    if hf.get("sliding_window") is not None and (model_type == "mistral" or hf.get("use_sliding_window")):
+        raise UserError(f"{where}: sliding-window attention (sliding_window={hf['sliding_window']}) "
+                        f"is not supported; set sliding_window to null for full attention")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise UserError(f"{where}: {key}=true is not supported (Llama-family models without "
+                            f"biases, or Qwen2's q/k/v biases, are)")
+
+
+def config_from_hf(hf: dict[str, Any], where: str, get_int: Callable[..., int]) -> ModelConfig:
+    """Our ModelConfig from a Llama/Mistral/Qwen2/Qwen3 config dict."""
+    model_type = hf["model_type"]
+    _check_unsupported(hf, model_type, where)
+    D, H = get_int("hidden_size"), get_int("num_attention_heads")
+    G = hf.get("num_key_value_heads") or H
+    head = hf.get("head_dim") or D // H
+    eps = hf.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+        raise UserError(f"{where}: rms_norm_eps={eps!r} must be a positive number")
+    if not isinstance(G, int) or not isinstance(head, int) or G <= 0 or head <= 0:
+        raise UserError(f"{where}: num_key_value_heads and head_dim must be positive integers")
+    cfg = ModelConfig(
+        vocab_size=get_int("vocab_size"), block_size=get_int("max_position_embeddings"),
+        n_layer=get_int("num_hidden_layers"), n_head=H, n_embd=D,
+        n_kv_head=0 if G == H else G, head_size=0 if head * H == D else head,
+        ffn_dim=get_int("intermediate_size"), bias=False, qkv_bias=model_type == "qwen2",
+        pos_embedding="rope", rope_theta=_rope_theta(hf, where), norm="rmsnorm", norm_eps=float(eps),
+        mlp="swiglu", qk_norm=model_type == "qwen3",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    try:
+        return validate_model(cfg)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of `cfg` and its shape."""
+    D, H, G, K, F, V = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.ffn, cfg.vocab_size
+    layer = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+             "self_attn.q_proj.weight": (H * K, D), "self_attn.k_proj.weight": (G * K, D),
+             "self_attn.v_proj.weight": (G * K, D), "self_attn.o_proj.weight": (D, H * K),
+             "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
+    if cfg.qkv_bias:
+        layer.update({"self_attn.q_proj.bias": (H * K,), "self_attn.k_proj.bias": (G * K,),
+                      "self_attn.v_proj.bias": (G * K,)})
+    if cfg.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (K,), "self_attn.k_norm.weight": (K,)})
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(cfg.n_layer):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    return shapes
+
+
+def _pad_vocab(a: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    out = np.zeros((cfg.padded_vocab_size, a.shape[1]), np.float32)
+    out[: cfg.vocab_size] = a
+    return out
+
+
+def _layer_params(t: Callable[[str], np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    D, H, G, K = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim
+    w = lambda name, *shape: t(f"self_attn.{name}_proj.weight").T.reshape(D, *shape)
+    b = lambda name, *shape: t(f"self_attn.{name}_proj.bias").reshape(*shape)
+    p = {"ln1_scale": t("input_layernorm.weight"), "ln2_scale": t("post_attention_layernorm.weight"),
+         "w_o": t("self_attn.o_proj.weight").T.reshape(H, K, D),
+         "w_fc": np.stack([t("mlp.gate_proj.weight").T, t("mlp.up_proj.weight").T], axis=1),
+         "w_proj": t("mlp.down_proj.weight").T}
+    if G == H:
+        p["w_qkv"] = np.stack([w("q", H, K), w("k", H, K), w("v", H, K)], axis=1)
+        if cfg.qkv_bias:
+            p["b_qkv"] = np.stack([b("q", H, K), b("k", H, K), b("v", H, K)])
+    else:
+        p["w_q"], p["w_kv"] = w("q", H, K), np.stack([w("k", G, K), w("v", G, K)], axis=1)
+        if cfg.qkv_bias:
+            p["b_q"], p["b_kv"] = b("q", H, K), np.stack([b("k", G, K), b("v", G, K)])
+    if cfg.qk_norm:
+        p["q_norm"], p["k_norm"] = t("self_attn.q_norm.weight"), t("self_attn.k_norm.weight")
+    return p
+
+
+def params_from_hf(t: dict[str, np.ndarray], cfg: ModelConfig) -> dict[str, Any]:
+    """Our parameter tree from HF tensors."""
+    layers = [_layer_params(lambda k, i=i: t[f"model.layers.{i}.{k}"], cfg) for i in range(cfg.n_layer)]
+    params: dict[str, Any] = {
+        "wte": _pad_vocab(t["model.embed_tokens.weight"], cfg), "lnf_scale": t["model.norm.weight"],
+        "blocks": {k: np.stack([layer[k] for layer in layers]) for k in layers[0]}}
+    if not cfg.tie_embeddings:
+        params["w_head"] = _pad_vocab(t["lm_head.weight"], cfg)
+    return params
+
+
+def hf_tensors(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """HF tensors (float32) from our parameter tree: the inverse of `params_from_hf`."""
+    D, H, G, K, V = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.vocab_size
+    f32 = lambda x: np.asarray(x, np.float32)
+    bl = {k: f32(v) for k, v in params["blocks"].items()}
+    out = {"model.embed_tokens.weight": f32(params["wte"])[:V], "model.norm.weight": f32(params["lnf_scale"])}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = f32(params["w_head"])[:V]
+    for i in range(cfg.n_layer):
+        if G == H:
+            q, k, v = (bl["w_qkv"][i][:, j] for j in range(3))
+            qb, kb, vb = (bl["b_qkv"][i][j] for j in range(3)) if cfg.qkv_bias else (None,) * 3
+        else:
+            q, k, v = bl["w_q"][i], bl["w_kv"][i][:, 0], bl["w_kv"][i][:, 1]
+            qb, kb, vb = (bl["b_q"][i], bl["b_kv"][i][0], bl["b_kv"][i][1]) if cfg.qkv_bias else (None,) * 3
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": bl["ln1_scale"][i],
+                    p + "post_attention_layernorm.weight": bl["ln2_scale"][i],
+                    p + "self_attn.q_proj.weight": q.reshape(D, H * K).T,
+                    p + "self_attn.k_proj.weight": k.reshape(D, G * K).T,
+                    p + "self_attn.v_proj.weight": v.reshape(D, G * K).T,
+                    p + "self_attn.o_proj.weight": bl["w_o"][i].reshape(H * K, D).T,
+                    p + "mlp.gate_proj.weight": bl["w_fc"][i][:, 0].T,
+                    p + "mlp.up_proj.weight": bl["w_fc"][i][:, 1].T,
+                    p + "mlp.down_proj.weight": bl["w_proj"][i].T})
+        if cfg.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": qb.reshape(-1), p + "self_attn.k_proj.bias": kb.reshape(-1),
+                        p + "self_attn.v_proj.bias": vb.reshape(-1)})
+        if cfg.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": bl["q_norm"][i],
+                        p + "self_attn.k_norm.weight": bl["k_norm"][i]})
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def check_compatible(cfg: ModelConfig) -> None:
+    """A Llama-family export needs the modern block exactly."""
+    want = {"pos_embedding": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
+    bad = [f"{k}={getattr(cfg, k)}" for k, v in want.items() if getattr(cfg, k) != v]
+    if bad:
+        raise UserError(f"this model ({', '.join(bad)}) is neither GPT-2 nor Llama-family; Hugging Face "
+                        f"Llama/Qwen export needs pos_embedding=rope, norm=rmsnorm, mlp=swiglu, bias=False")
+    if cfg.qk_norm and cfg.qkv_bias:
+        raise UserError("this model has both qk_norm and qkv_bias; no Hugging Face architecture has both")
+
+
+def model_type_for(cfg: ModelConfig, source: str | None = None) -> str:
+    """qwen3 for QK-norm, qwen2 for q/k/v biases, else the imported type (llama or mistral)."""
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.qkv_bias:
+        return "qwen2"
+    return source if source in ("llama", "mistral") else "llama"
+
+
+def hf_config(cfg: ModelConfig, model_type: str, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
+    """A config.json for `AutoModelForCausalLM.from_pretrained`."""
+    config = {
+        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
+        "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.block_size, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "dtype": "float32",
+        "bos_token_id": bos_id, "eos_token_id": eos_id,
+    }
+    if model_type in ("llama", "mistral", "qwen3"):
+        config.update(attention_bias=False)
+    if model_type == "llama":
+        config.update(mlp_bias=False)
+    if model_type != "llama":
+        config.update(sliding_window=None, use_sliding_window=False)
+    return config
