@@ -43,3 +43,21 @@ def run_on_4_cpu_devices(script: str) -> dict:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def perturb_and_save(model, path):
+    """Add noise to every parameter of a Hugging Face torch model (norm weights and biases too, so
+    none is trivially 1 or 0), save it as safetensors and return it in eval mode."""
+    import torch
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return model.eval()
+
+
+def torch_logits(model, idx):
+    """A Hugging Face torch model's float32 logits for token ids `idx` (numpy in, numpy out)."""
+    import torch
+    with torch.no_grad():
+        return model(torch.tensor(idx)).logits.float().numpy()

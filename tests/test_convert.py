@@ -20,7 +20,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from gpt import convert  # noqa: E402
 from gpt.errors import UserError  # noqa: E402
-from helpers import tiny_gpt  # noqa: E402
+from helpers import perturb_and_save, tiny_gpt, torch_logits  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-4
@@ -32,17 +32,7 @@ def make_hf(path: Path, vocab: int, seed: int = 0, activation: str = "gelu_new")
     eot = 50256 if vocab == 50257 else vocab - 1
     cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=64, n_layer=2, n_head=4,
                                   bos_token_id=eot, eos_token_id=eot, activation_function=activation)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path, safe_serialization=True)
-    return model
-
-
-def torch_logits(model, idx: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(idx)).logits.float().numpy()
+    return perturb_and_save(transformers.GPT2LMHeadModel(cfg), path)
 
 
 def our_logits(cfg, params, idx: np.ndarray, attention: str = "xla") -> np.ndarray:

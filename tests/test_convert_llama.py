@@ -16,7 +16,7 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from gpt import convert  # noqa: E402
 from gpt.errors import UserError  # noqa: E402
-from helpers import tiny_gpt  # noqa: E402
+from helpers import perturb_and_save, tiny_gpt, torch_logits  # noqa: E402
 
 TOL = 1e-4
 V = 300
@@ -47,17 +47,7 @@ def make_hf(path: Path, name: str, seed: int = 0):
     config_cls, model_cls, kw = MODELS[name]
     torch.manual_seed(seed)
     cfg = getattr(transformers, config_cls)(**COMMON, **kw)
-    model = getattr(transformers, model_cls)(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.save_pretrained(path, safe_serialization=True)
-    return model
-
-
-def torch_logits(model, idx: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(idx)).logits.float().numpy()
+    return perturb_and_save(getattr(transformers, model_cls)(cfg), path)
 
 
 def our_logits(cfg, params, idx, attention="xla") -> np.ndarray:
