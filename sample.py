@@ -15,7 +15,7 @@ def read_prompt(cfg, tokenizer) -> list[int]:
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read --prompt_file={cfg.prompt_file}: {e.__class__.__name__}: "
                             f"{e}") from None
-    ids = tokenizer.encode(text) if text else []
+    ids = tokenizer.encode_prompt(text)
     if not ids:
         if tokenizer.eot_id is not None:
             ids = [tokenizer.eot_id]
@@ -39,7 +39,7 @@ def main(argv: Sequence[str]) -> int:
     import jax
 
     from gpt.checkpoint import load_model
-    from gpt.sampling import Sampler, settings_from
+    from gpt.sampling import Sampler, rolls, settings_from
 
     model, meta, tok = load_model(cfg.out_dir, cfg.dtype)
     if cfg.top_k > model.cfg.vocab_size:
@@ -49,9 +49,10 @@ def main(argv: Sequence[str]) -> int:
         cfg.top_k = 0  # the default (200) keeps the whole of a small vocabulary
     prompt = read_prompt(cfg, tok)
     if len(prompt) + cfg.max_new_tokens > model.cfg.block_size:
+        how = "a rolling KV cache" if rolls(model.cfg) else "recomputed windows, as nanoGPT does"
         print(f"note: prompt + new tokens ({len(prompt) + cfg.max_new_tokens}) exceed block_size "
-              f"{model.cfg.block_size}; conditioning on the last {model.cfg.block_size} tokens "
-              f"as nanoGPT does", file=sys.stderr)
+              f"{model.cfg.block_size}; each token attends to the last {model.cfg.block_size} "
+              f"({how})", file=sys.stderr)
     sampler = Sampler(model, settings_from(cfg, tok.eot_id))
     state = sampler.start([prompt] * cfg.num_samples, jax.random.key(cfg.seed))
     texts = lambda state: row_texts(sampler, state, prompt, tok, cfg)
@@ -67,10 +68,17 @@ def row_texts(sampler, state, prompt: list[int], tok, cfg) -> list[tuple[str, bo
     out = []
     for row in sampler.new_tokens(state, [prompt] * cfg.num_samples):
         ended = tok.eot_id is not None and bool(row) and row[-1] == tok.eot_id
-        text = tok.decode(row[:-1] if ended else row)
+        text = continuation(tok, prompt, row[:-1] if ended else row)
         cut = min((text.find(s) for s in cfg.stop if s in text), default=-1)
         out.append((text[:cut], True) if cut >= 0 else (text, ended))
     return out
+
+
+def continuation(tok, prompt: list[int], new: list[int]) -> str:
+    """The text `new` adds after `prompt`, decoded together: tokenizers whose decoder strips a
+    leading space (SentencePiece's) would lose the space between them if decoded apart."""
+    head, whole = tok.decode(prompt), tok.decode(list(prompt) + list(new))
+    return whole[len(head):] if whole.startswith(head) else tok.decode(new)
 
 
 def stream_one(sampler, state, prompt_text: str, texts, stop: list[str]) -> None:

@@ -1,7 +1,8 @@
 """The no-cache decoding baseline (nanoGPT's loop): re-run the whole (cropped) context per token.
 
-Not part of the library: the tests use it as the reference that cached decoding must equal, and
-bench/sample.py as the baseline it is timed against.
+Not part of the library: the tests use it as the reference that cached decoding must equal (past
+block_size only for learned/sinusoidal positions: RoPE models keep absolute positions in a rolling
+cache instead, see tests/test_sampling.py), and bench/sample.py as the baseline it is timed against.
 """
 from __future__ import annotations
 

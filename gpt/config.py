@@ -81,7 +81,7 @@ class TrainConfig:
     out_dir: str = "out"
     data_dir: str = ""  # a prepared data dir (python -m gpt.data); empty: the bundled Shakespeare
     input: list[str] = field(default_factory=list, metadata={"sep": ","})  # files/folders/globs
-    tokenizer: str = "char"  # with --input: gpt2 | char | bpe:N
+    tokenizer: str = "char"  # with --input: gpt2 | char | bpe:N | hf:PATH/tokenizer.json
     init_from: str = "scratch"  # scratch | resume | gpt2 | <checkpoint dir>
     overwrite: bool = False
     seed: int = 1337

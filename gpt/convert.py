@@ -351,9 +351,11 @@ def hf_tensors(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray
 
 
 def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_id: Any = _UNSET,
-          dropout: float = 0.0, overwrite: bool = False, source_type: str | None = None) -> Path:
+          dropout: float = 0.0, overwrite: bool = False, source_type: str | None = None,
+          bos_id: int | None = None, files: dict[str, bytes] | None = None) -> Path:
     """Write `config.json` + `model.safetensors` loadable by AutoModelForCausalLM.from_pretrained:
     GPT2LMHeadModel, or for the modern block Llama/Qwen2/Qwen3 (Mistral if it came from one).
+    `files`: more files to write beside them (the tokenizer.json a converted model came with).
 
     The directory appears complete or not at all: both files are written into a temporary sibling
     directory that is then renamed. An existing non-empty `hf_dir` is replaced only with
@@ -365,7 +367,8 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
         llama.check_compatible(cfg)
         tensors = llama.hf_tensors(params, cfg)
         eos = None if eot_id is _UNSET else eot_id
-        config = llama.hf_config(cfg, llama.model_type_for(cfg, source_type), eos, eos)
+        config = llama.hf_config(cfg, llama.model_type_for(cfg, source_type), eos if bos_id is None else bos_id,
+                                 eos)
     else:
         tensors, config = hf_tensors(params, cfg), hf_config(cfg, eot_id, dropout)
     dest = Path(hf_dir).absolute()
@@ -383,7 +386,9 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        for f in (CONFIG_FILE, WEIGHTS_FILE):
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
+        for f in (CONFIG_FILE, WEIGHTS_FILE, *(files or {})):
             with open(tmp / f, "rb") as fh:
                 os.fsync(fh.fileno())
         os.chmod(tmp, 0o755)
@@ -416,14 +421,19 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
                             "config": {"model": to_dict(cfg), "train": {}},
                             "source": str(Path(hf_dir).absolute()),
                             "hf_model_type": _read_hf_config(Path(hf_dir) / CONFIG_FILE).get("model_type")}
-    if cfg.vocab_size == GPT2_VOCAB:
-        from gpt.tokenizer import gpt2_tokenizer
-        meta["tokenizer"] = gpt2_tokenizer().spec
+    tokenizer = _hf_dir_tokenizer(Path(hf_dir), cfg)
+    if tokenizer is not None:
+        meta["tokenizer"] = tokenizer[0]
     else:
-        print(f"warning: vocabulary size {cfg.vocab_size} is not GPT-2's ({GPT2_VOCAB}), so no tokenizer "
-              f"is recorded; sampling from this checkpoint needs one", file=sys.stderr)
+        print(f"warning: {hf_dir} has no tokenizer.json (and is not a GPT-2 model with GPT-2's "
+              f"vocabulary), so no tokenizer is recorded; sampling from this checkpoint needs one",
+              file=sys.stderr)
     if steps:
         ckpt.remove_all(out)
+    if tokenizer is not None and tokenizer[1] is not None:
+        from gpt.tokenizer import HF_FILE, atomic_write_bytes
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out / HF_FILE, tokenizer[1])
     c = ckpt.Checkpointer(out, keep=1, async_save=False)
     # Orbax refuses an empty pytree, so the (absent) optimizer state is a one-element placeholder;
     # restoring params only (abstract_opt_state=None) never reads it.
@@ -433,6 +443,26 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
     n = sum(int(np.prod(a.shape)) for a in _leaves(params)) - padding
     return (f"converted {hf_dir} ({n / 1e6:.1f}M params, {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
             f"vocab {cfg.vocab_size}) to {ckpt.checkpoint_dir(out)}/0")
+
+
+def _hf_dir_tokenizer(hf_dir: Path, cfg) -> tuple[dict, bytes | None] | None:
+    """(spec, tokenizer.json bytes to copy) for a Hugging Face model directory: GPT-2's tokenizer
+    (our bundled tiktoken copy) for a GPT-2 model, else its tokenizer.json with the model's BOS/EOS
+    ids and its prompt template, else None. Validated here; nothing is written."""
+    from gpt.tokenizer import HF_FILE, gpt2_tokenizer, hf_spec, hf_tokenizer, warn_if_no_eos
+
+    if not is_llama_family(cfg):
+        return (gpt2_tokenizer().spec, None) if cfg.vocab_size == GPT2_VOCAB else None
+    path = hf_dir / HF_FILE
+    if not path.exists():
+        return None
+    data, hf, spec = hf_spec(path, f"fix or remove {path}")
+    tok = hf_tokenizer(data, hf, {**spec, "prompt_template": True}, path)
+    if tok.vocab_size > cfg.vocab_size:
+        raise UserError(f"{path} has {tok.vocab_size} tokens but the model's vocabulary is "
+                        f"{cfg.vocab_size}; use the tokenizer.json that belongs to this model")
+    warn_if_no_eos(tok, path)
+    return tok.spec, data
 
 
 def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool = False) -> str:
@@ -457,8 +487,13 @@ def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool
     tok = meta.get("tokenizer")
     eot = tok.get("eot_id") if isinstance(tok, dict) and "eot_id" in tok else _UNSET
     source = meta.get("hf_model_type") if isinstance(meta.get("hf_model_type"), str) else None
+    files, bos = {}, None
+    if isinstance(tok, dict) and tok.get("kind") == "hf":  # its tokenizer.json goes along
+        from gpt.tokenizer import HF_FILE, load_tokenizer
+        hf_tok = load_tokenizer(tok, out_dir)  # checks the file against the recorded sha256
+        bos, files[HF_FILE] = hf_tok.bos_id, (Path(out_dir) / hf_tok.files()[0]).read_bytes()
     dest = to_hf(params, cfg, hf_dir, eot_id=eot, dropout=dropout, overwrite=overwrite,
-                 source_type=source)
+                 source_type=source, bos_id=bos, files=files)
     return f"exported step {step} of {out_dir} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, " \
            f"vocab {cfg.vocab_size}) to {dest}"
 
@@ -473,10 +508,12 @@ def _leaves(tree):
 
 def main(argv: Sequence[str]) -> int:
     p = ArgParser(prog="python -m gpt.convert",
-                description="Convert between Hugging Face GPT-2 (safetensors) and our checkpoints.")
+                description="Convert between Hugging Face checkpoints (GPT-2, Llama, Mistral, Qwen2, Qwen3; "
+                            "safetensors) and ours.")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--from_hf", metavar="HF_DIR",
-                      help="import a Hugging Face GPT-2 dir (config.json + model.safetensors)")
+                      help="import a Hugging Face dir (config.json + safetensors [+ tokenizer.json]) of "
+                           "GPT-2, Llama, Mistral, Qwen2 or Qwen3")
     mode.add_argument("--to_hf", action="store_true", help="export --out_dir's newest checkpoint to --hf_dir")
     p.add_argument("--out_dir", required=True, help="our checkpoint directory")
     p.add_argument("--hf_dir", help="with --to_hf: the Hugging Face directory to write")
@@ -484,7 +521,8 @@ def main(argv: Sequence[str]) -> int:
     a = p.parse_args(list(argv))
     if a.to_hf:
         if not a.hf_dir:
-            raise UserError("--to_hf needs --hf_dir DIR (where to write config.json and model.safetensors)")
+            raise UserError("--to_hf needs --hf_dir DIR (where to write config.json, model.safetensors "
+                            "and any tokenizer.json)")
         print(checkpoint_to_hf(a.out_dir, a.hf_dir, overwrite=a.overwrite))
     else:
         if a.hf_dir:

@@ -20,7 +20,10 @@ Choices, and why:
   ASCII character ("word|\\n", "word| next"), where GPT-2's pre-tokenizer regex always ends a
   piece, so the tokens equal encoding each file in one call (tested). Only a 256 KiB stretch
   without any ASCII word boundary (e.g. unspaced CJK) is cut at a character boundary instead,
-  which may change a token or two at that cut. Char tokenizers are exact anywhere.
+  which may change a token or two at that cut. Char tokenizers are exact anywhere. Hugging Face
+  tokenizers (hf:PATH) have their own pre-tokenizers (Llama 3's joins punctuation with the newline
+  after it; SentencePiece's adds a word marker at the start of each call), so for them a piece
+  boundary may change a token or two: once per MiB of text.
 - Parallelism: for corpora over 16 MiB, pieces are tokenized by a spawn process pool (spawn,
   not fork: the caller may have JAX threads running). On the 2-core benchmark machine, idle,
   this gave 46 MB/s for gpt2 against 27 MB/s inline and only 13 MB/s for a thread pool: tiktoken
@@ -53,7 +56,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from gpt.errors import ArgParser, UserError, run_main
-from gpt.tokenizer import (Tokenizer, atomic_write_bytes, build_tokenizer, load_tokenizer,
+from gpt.tokenizer import (Tokenizer, atomic_write_bytes, build_tokenizer, identity, load_tokenizer,
                            parse_name)
 
 FORMAT_VERSION = 1
@@ -129,11 +132,17 @@ def _folder_files(folder: Path, include: str) -> list[Path]:
 
 
 def _char_boundary(buf: bytes, n: int) -> int:
-    """Move cut position n back (at most 3 bytes) so it does not split a UTF-8 sequence."""
-    for _ in range(3):
-        if 0 < n < len(buf) and (buf[n] & 0xC0) == 0x80:
-            n -= 1
-    return n
+    """Move cut position n back (at most 3 bytes) so that buf[:n] does not end inside a UTF-8
+    sequence, whether or not the rest of the sequence is in `buf` yet (n may be len(buf))."""
+    lead = n - 1
+    while lead > 0 and n - lead < 4 and (buf[lead] & 0xC0) == 0x80:  # continuation bytes
+        lead -= 1
+    if lead < 0:
+        return n
+    b = buf[lead]
+    length = 1 if b < 0x80 else 2 if 0xC0 <= b < 0xE0 else 3 if 0xE0 <= b < 0xF0 else \
+        4 if 0xF0 <= b < 0xF8 else 1  # an invalid lead byte: leave it to the decoder
+    return lead if lead + length > n else n
 
 
 def find_cut(buf: bytes) -> int:
@@ -330,7 +339,8 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str, out_dir: str | 
     """Tokenize text files into ``out_dir/{train,val}.bin`` + meta.json; returns the meta dict.
 
     inputs: files, folders (recursive, files matching `include`) or glob patterns.
-    tokenizer: "gpt2" | "char" | "bpe:N" (char and bpe:N are learned from this corpus first).
+    tokenizer: "gpt2" | "char" | "bpe:N" | "hf:PATH" (char and bpe:N are learned from this corpus
+    first; hf:PATH is a Hugging Face tokenizer.json, copied into out_dir).
     errors: "strict" (invalid UTF-8 is an error) or "replace" (bad bytes become U+FFFD).
     workers: parallel tokenizer workers (default: all cores); backend: "auto" | "process" |
     "thread" (see `_make_executor`).
@@ -386,7 +396,7 @@ def _check_prepare_args(tokenizer: str, backend: str, errors: str, val_fraction:
 
 def _learn_tokenizer(tokenizer: str, sources, errors: str, cut: int, stage: Path):
     """The tokenizer; char learns from all the text, bpe from the train split only (val unseen)."""
-    if tokenizer == "gpt2":
+    if tokenizer == "gpt2" or tokenizer.startswith("hf:"):
         return build_tokenizer(tokenizer, None, stage)
     if tokenizer == "char":
         return build_tokenizer(tokenizer, (t for _, _, t in iter_corpus(sources, errors, cut)), stage)
@@ -482,11 +492,12 @@ def ensure_prepared(input_paths: Sequence[str | os.PathLike], tokenizer: str, ca
     val_fraction = kw.get("val_fraction", 0.1)
     include = kw.get("include", "*.txt")
     errors = kw.get("errors", "strict")
-    parse_name(tokenizer)
+    kind, _ = parse_name(tokenizer)
     files = resolve_inputs(input_paths, include)
-    key = cache_key(files, tokenizer, val_fraction=val_fraction, include=include, errors=errors)
+    key = cache_key(files, identity(tokenizer), val_fraction=val_fraction, include=include, errors=errors)
     stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in files[0].stem)[:40]
-    name = f"{stem}{'-etc' if len(files) > 1 else ''}-{tokenizer.replace(':', '')}-{key[:12]}"
+    label = kind if kind == "hf" else tokenizer.replace(":", "")
+    name = f"{stem}{'-etc' if len(files) > 1 else ''}-{label}-{key[:12]}"
     d = Path(cache_root) / name
     if (d / "meta.json").is_file():
         try:
@@ -576,7 +587,8 @@ def main(argv: Sequence[str]) -> int:
                         description="Tokenize text files into train.bin/val.bin + meta.json for training.")
     p.add_paths("--input", required=True,
                 help="text files, folders (searched recursively) or glob patterns")
-    p.add_argument("--tokenizer", required=True, help="gpt2 | char | bpe:N (train a byte-level BPE with N tokens)")
+    p.add_argument("--tokenizer", required=True, help="gpt2 | char | bpe:N (train a byte-level BPE with N tokens) | "
+                   "hf:PATH (a Hugging Face tokenizer.json, or the directory holding it)")
     p.add_argument("--out_dir", required=True, help="data dir to write")
     p.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of the bytes used for validation")
     p.add_argument("--include", default="*.txt", help="file name pattern for folders (default: *.txt)")

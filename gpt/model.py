@@ -37,9 +37,14 @@ DYT_ALPHA = 0.5  # DyT's initial alpha (the paper's default)
 class KVCache(NamedTuple):
     """Preallocated keys/values of every layer plus where to write next.
 
-    `index` is the number of slots written (shared by all rows); rows of different prompt lengths are
-    left-padded, and `start_B` is each row's first real slot, so padding is never attended to and
-    positions count from the row's first real token.
+    `index` is the number of tokens written so far (shared by all rows); token i goes to slot
+    i mod S, so once `index` passes S the cache is a ring holding the last S tokens, which is how
+    RoPE models decode past block_size (their keys keep their absolute positions). A call of T > 1
+    tokens must not wrap (index mod S + T <= S, as in a prefill): it is written as one slice.
+    Rows of different prompt lengths are left-padded, and `start_B` is each row's first real token,
+    so padding is never attended to and positions count from it (a negative start: the row began
+    before the cache's first token, as when a window from the middle of a text is recomputed at
+    its own positions).
     """
     k_LBSHK: jax.Array
     v_LBSHK: jax.Array
@@ -106,14 +111,17 @@ def sinusoidal(positions: jax.Array, dim: int) -> jax.Array:
 
 def cache_positions(cache: KVCache | None, B: int, T: int) -> tuple[jax.Array, jax.Array | None]:
     """Positions [B, T] of this call's tokens, and (with a cache) which slots each query sees
-    [B, T, S]: written slots up to its own, from its row's first real token on."""
+    [B, T, S]: the slots holding its row's real tokens from the last S up to its own."""
     if cache is None:
         return jnp.broadcast_to(jnp.arange(T), (B, T)), None
-    query_slot_T = cache.index + jnp.arange(T)
-    positions_BT = jnp.maximum(query_slot_T[None] - cache.start_B[:, None], 0)
-    slot_S = jnp.arange(cache.k_LBSHK.shape[2])
-    mask_BTS = (slot_S[None, None, :] <= query_slot_T[None, :, None]) & \
-               (slot_S[None, None, :] >= cache.start_B[:, None, None])
+    S = cache.k_LBSHK.shape[2]
+    query_T = cache.index + jnp.arange(T)  # token numbers of this call's queries
+    last = cache.index + T - 1
+    held_S = last - jnp.mod(last - jnp.arange(S), S)  # the token each slot holds after this write
+    positions_BT = jnp.maximum(query_T[None] - cache.start_B[:, None], 0)
+    held_1TS, query_1TS = held_S[None, None, :], query_T[None, :, None]
+    mask_BTS = (held_1TS <= query_1TS) & (held_1TS > query_1TS - S) & (held_1TS >= 0) & \
+               (held_1TS >= cache.start_B[:, None, None])
     return positions_BT, mask_BTS
 
 
@@ -215,7 +223,9 @@ class Block(nnx.Module):
 
     def __call__(self, x_BTD, kv, positions_BT, mask_BTS, cache_index, cfg: ModelConfig, rt: Runtime,
                  key):
-        """`kv`: this layer's cache (k, v) [B, S, G, K] or None; returns x and the updated kv."""
+        """`kv`: this layer's cache (k, v) [B, S, G, K] or None; returns x and this call's new
+        (k, v) [B, T, G, K] in the cache's dtype, which the caller writes into the cache once for
+        all layers (returning the whole updated layer cache would copy it every decode step)."""
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
         mm = lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp)
 
@@ -224,10 +234,10 @@ class Block(nnx.Module):
         if kv is None:
             k_BSGK, v_BSGK, impl = k_BTGK, v_BTGK, rt.attention
         else:
-            at = (0, cache_index, 0, 0)
-            kv = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype), at)
-                       for c, new in zip(kv, (k_BTGK, v_BTGK)))
-            (k_BSGK, v_BSGK), impl = kv, rt.cached_attention
+            at = (0, cache_index % kv[0].shape[1], 0, 0)  # a ring: see KVCache (no call wraps)
+            new_kv = tuple(new.astype(c.dtype) for c, new in zip(kv, (k_BTGK, v_BTGK)))
+            k_BSGK, v_BSGK = (jax.lax.dynamic_update_slice(c, new, at) for c, new in zip(kv, new_kv))
+            kv, impl = new_kv, rt.cached_attention
         groups = cfg.n_head // cfg.kv_heads  # each key/value head serves `groups` query heads
         k_BSHK, v_BSHK = (jnp.repeat(a, groups, axis=2) if groups > 1 else a for a in (k_BSGK, v_BSGK))
         y_BTHK = attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl, cpu_layouts=rt.cpu_layouts,
@@ -274,6 +284,8 @@ class GPT(nnx.Module):
         """
         cfg = self.cfg
         B, T = idx_BT.shape
+        if cache is not None and T > cache.k_LBSHK.shape[2]:
+            raise ValueError(f"{T} tokens do not fit a KV cache of {cache.k_LBSHK.shape[2]} slots")
         positions_BT, mask_BTS = cache_positions(cache, B, T)
         # The residual stream is float32 whatever dtype the weights are held in.
         x_BTD = self.wte[...][idx_BT].astype(jnp.float32)
@@ -310,8 +322,11 @@ class GPT(nnx.Module):
         L = cfg.n_layer
         x_BTD, kv_L = jax.lax.scan(body, x_BTD, (state, jnp.arange(L), kv_L),
                                    unroll=1 if rt.scan_layers else L)
-        if cache is not None:
-            cache = KVCache(*kv_L, cache.index + x_BTD.shape[1], cache.start_B)
+        if cache is not None:  # this call's keys/values [L, B, T, G, K] into their slots
+            at = (0, 0, cache.index % cache.k_LBSHK.shape[2], 0, 0)
+            k_LBSHK, v_LBSHK = (jax.lax.dynamic_update_slice(c, new, at)
+                                for c, new in zip((cache.k_LBSHK, cache.v_LBSHK), kv_L))
+            cache = KVCache(k_LBSHK, v_LBSHK, cache.index + x_BTD.shape[1], cache.start_B)
         return x_BTD, cache
 
 

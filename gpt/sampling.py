@@ -5,9 +5,12 @@
 `lax.scan`, so nothing is retraced per token. Both are pure functions of arrays, usable inside other
 JAX code; `Sampler` jits them once per settings and decodes in chunks for streaming.
 
-Past `block_size` the sampler does what nanoGPT does: every new token is conditioned on exactly the
-last `block_size` tokens at positions 0..block_size-1. Learned positions shift with each token, so
-the cache cannot be reused then; those steps recompute the window (a `lax.cond` branch).
+Past `block_size`, every new token is conditioned on the last `block_size` tokens. With learned or
+sinusoidal positions the sampler does what nanoGPT does: the window is recomputed at positions
+0..block_size-1 for each token (they shift with each token, so the cache cannot be reused; a
+`lax.cond` branch). With RoPE or no position embedding attention depends only on relative
+positions, so the cache simply becomes a ring of the last `block_size` tokens at their absolute
+positions (see `KVCache`) and decoding stays one cached step per token.
 """
 from __future__ import annotations
 
@@ -77,6 +80,11 @@ class DecodeState(NamedTuple):
     key: jax.Array
 
 
+def rolls(cfg) -> bool:
+    """Whether the cache rolls past block_size (relative positions) instead of recomputing."""
+    return cfg.pos_embedding in ("rope", "none")
+
+
 def _window_logits(model: GPT, tokens_BN: jax.Array, start_B: jax.Array, end: jax.Array,
                    dtype) -> jax.Array:
     """Next-token logits conditioned on the last block_size tokens before `end` (nanoGPT's crop)."""
@@ -109,7 +117,7 @@ def prefill(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, key: jax.Array
 def decode(model: GPT, state: DecodeState, n_steps: int, s: SamplingSettings) -> DecodeState:
     """Generate `n_steps` tokens into state.tokens_BN; rows that emitted eot keep emitting eot."""
     S = state.cache.k_LBSHK.shape[2]
-    overflow_possible = state.tokens_BN.shape[1] > model.cfg.block_size
+    overflow_possible = state.tokens_BN.shape[1] > model.cfg.block_size and not rolls(model.cfg)
     dtype = state.cache.k_LBSHK.dtype
 
     def step(st: DecodeState, _):

@@ -1,6 +1,7 @@
-"""Tokenizers: GPT-2 BPE, characters, and byte-level BPE trained on your own corpus.
+"""Tokenizers: GPT-2 BPE, characters, byte-level BPE trained on your own corpus, and Hugging Face
+tokenizer.json files.
 
-Three kinds, one interface (`Tokenizer`):
+Four kinds, one interface (`Tokenizer`):
 
 - ``gpt2``: OpenAI's GPT-2 byte-level BPE (50257 ids), built offline from the bundled
   ``data/gpt2.tiktoken`` ranks file. `tiktoken.get_encoding("gpt2")` would download that file;
@@ -10,6 +11,9 @@ Three kinds, one interface (`Tokenizer`):
 - ``bpe:N``: a byte-level BPE with exactly N regular tokens trained with Hugging Face
   `tokenizers`, converted to a tiktoken ranks file (``tokenizer.tiktoken``) so that encoding
   runs through the same fast tiktoken code path as GPT-2, plus ``<|endoftext|>`` = N.
+- ``hf:PATH``: a Hugging Face ``tokenizer.json`` (Llama, Mistral, Qwen, ...), run by `tokenizers`
+  itself, since its normalizers, pre-tokenizers and templates vary by model. Its BOS/EOS ids come
+  from the model's ``generation_config.json``/``config.json`` (or ``tokenizer_config.json``).
 
 A tokenizer is described by a small JSON-serialisable `spec`; `load_tokenizer(spec, base_dir)`
 rebuilds it, with any files the spec names (`Tokenizer.files()`) resolved relative to
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import secrets
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -38,7 +44,8 @@ GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT = "<|endoftext|>"
 BPE_FILE = "tokenizer.tiktoken"
-NAMES = ("gpt2", "char", "bpe:N")
+HF_FILE = "tokenizer.json"
+NAMES = ("gpt2", "char", "bpe:N", "hf:PATH")
 REPLACEMENT = "\ufffd"
 
 
@@ -47,7 +54,8 @@ class Tokenizer:
 
     Attributes:
         vocab_size: number of ids, specials included (ids are 0 .. vocab_size-1).
-        eot_id: id of the end-of-text token that separates documents, or None (char).
+        eot_id: id of the end-of-text token that separates documents, or None (char, or a Hugging
+            Face tokenizer whose model names no EOS).
         spec: JSON-serialisable description; `load_tokenizer(spec, base_dir)` rebuilds it.
     """
 
@@ -58,6 +66,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids for plain text. Special-token strings in `text` are encoded as ordinary text."""
         raise NotImplementedError
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Ids for a prompt to sample from: as `encode`, plus what the model's own tokenizer adds
+        around a prompt (a Llama tokenizer's BOS)."""
+        return self.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """`encode` for many texts (parallel where the implementation allows)."""
@@ -161,6 +174,39 @@ class CharTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         n = self.vocab_size
         return "".join(self.chars[i] if 0 <= i < n else REPLACEMENT for i in (int(j) for j in ids))
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` run by the `tokenizers` library.
+
+    Training text is encoded as plain text (special-token strings in a corpus stay text, and no
+    template tokens are added: documents are separated by `eot_id` as for the other kinds). A
+    checkpoint converted from Hugging Face (spec ``prompt_template``) was trained with the
+    tokenizer's template, so its prompts go through it, special tokens and BOS included, as
+    ``AutoTokenizer(prompt)`` does; a model trained here on hf-prepared data gets plain prompts.
+    """
+
+    def __init__(self, text_hf, prompt_hf, spec: dict, files: Sequence[str] = ()):
+        self.hf, self.prompt_hf = text_hf, prompt_hf
+        self.spec = spec
+        self.vocab_size, self.eot_id = spec["vocab_size"], spec.get("eot_id")
+        self.bos_id = spec.get("bos_id")
+        self._files = list(files)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.prompt_hf.encode(text, add_special_tokens=bool(self.spec.get("prompt_template"))).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.prompt_hf.decode(list(ids), skip_special_tokens=True)  # as HF prints text
+
+    def files(self) -> list[str]:
+        return list(self._files)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,18 +342,32 @@ def load_tokenizer(spec: dict, base_dir: str | Path) -> Tokenizer:
         except (KeyError, TypeError, ValueError):
             raise UserError(f"bpe tokenizer spec {spec!r} is incomplete (needs n_regular, file); "
                             f"re-run data preparation") from None
-        ranks = load_ranks(Path(base_dir) / file, sha)
+        ranks = load_ranks(inside(base_dir, file), sha)
         if len(ranks) != n or sorted(ranks.values()) != list(range(n)):
             raise UserError(f"tokenizer file {Path(base_dir) / file} has {len(ranks)} tokens, spec says {n}; "
                             f"re-run data preparation")
         return TiktokenTokenizer(_tiktoken_encoding(f"bpe{n}", ranks), dict(spec), files=[file])
-    raise UserError(f"unknown tokenizer kind {kind!r} in spec; valid kinds: gpt2, char, bpe")
+    if kind == "hf":
+        return load_hf_spec(spec, Path(base_dir))
+    raise UserError(f"unknown tokenizer kind {kind!r} in spec; valid kinds: gpt2, char, bpe, hf")
+
+
+def inside(base_dir: str | Path, name: object) -> Path:
+    """base_dir/name for a file name read from metadata, which must stay inside base_dir."""
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise UserError(f"tokenizer file name {name!r} in the metadata of {base_dir} is not a plain "
+                        f"file name; the metadata is damaged, re-create it")
+    return Path(base_dir) / name
 
 
 def parse_name(name: str) -> tuple[str, int | None]:
-    """'gpt2' | 'char' | 'bpe:N' -> (kind, N or None); anything else is a UserError."""
+    """'gpt2' | 'char' | 'bpe:N' | 'hf:PATH' -> (kind, N or None); anything else is a UserError
+    (for hf:PATH, also a PATH that is not a readable tokenizer.json)."""
     if name in ("gpt2", "char"):
         return name, None
+    if isinstance(name, str) and name.startswith("hf:"):
+        read_hf_file(hf_path(name), PASS_HF)
+        return "hf", None
     if isinstance(name, str) and name.startswith("bpe:"):
         try:
             n = int(name[4:])
@@ -332,6 +392,8 @@ def build_tokenizer(name: str, texts: Iterable[str] | None, out_dir: str | Path)
     kind, n = parse_name(name)
     if kind == "gpt2":
         return gpt2_tokenizer()
+    if kind == "hf":
+        return hf_tokenizer_into(hf_path(name), Path(out_dir))
     if texts is None:
         raise UserError(f"tokenizer {name!r} is learned from the corpus, but no text was given")
     if kind == "char":
@@ -401,3 +463,128 @@ def hf_bpe_tokenizer(model):
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()
     return hf
+
+
+# ----------------------------------------------------------------------------- Hugging Face tokenizer.json
+
+
+def identity(name: str) -> str:
+    """What data prepared with tokenizer `name` depends on: the name, or for hf:PATH its spec (the
+    file's content and the BOS/EOS ids read beside it; the same file elsewhere is the same
+    tokenizer, an edited one or other ids are not)."""
+    if isinstance(name, str) and name.startswith("hf:"):
+        _, _, spec = hf_spec(hf_path(name), PASS_HF)
+        return "hf:" + json.dumps({k: v for k, v in spec.items() if k != "file"}, sort_keys=True)
+    return name
+
+
+PASS_HF = "pass --tokenizer=hf:PATH/tokenizer.json of the model's Hugging Face directory"
+
+
+def hf_path(name: str) -> Path:
+    """The tokenizer.json named by 'hf:PATH' (PATH may also be the directory holding it)."""
+    if not name[3:]:
+        raise UserError("--tokenizer=hf: needs a path, e.g. --tokenizer=hf:./Llama-3.2-1B/tokenizer.json")
+    path = Path(name[3:]).expanduser()
+    return path / HF_FILE if path.is_dir() else path
+
+
+def read_hf_file(path: Path, fix: str, sha256: str | None = None) -> tuple[bytes, object]:
+    """(file bytes, `tokenizers.Tokenizer`) of a tokenizer.json, or one UserError line ending in `fix`."""
+    from tokenizers import Tokenizer as HFTok
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"cannot read tokenizer {path} ({e.strerror or e}); {fix}") from None
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise UserError(f"tokenizer file {path} has changed since it was recorded (sha256 mismatch); "
+                        f"{fix}")
+    try:
+        return data, HFTok.from_str(data.decode("utf-8"))
+    except Exception as e:  # tokenizers raises plain Exception for malformed files
+        first = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+        raise UserError(f"{path} is not a readable Hugging Face tokenizer.json ({first}); {fix}") from None
+
+
+def _json_file(path: Path) -> dict:
+    """A JSON object from `path`, {} if there is no such file, one UserError line if it is bad."""
+    if not path.is_file():
+        return {}
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path} ({e}); fix or remove it") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{path} is not a JSON object; fix or remove it")
+    return d
+
+
+def special_ids(model_dir: Path, hf) -> dict[str, int | None]:
+    """The model's BOS and EOS ids: generation_config.json, then config.json (a list of EOS ids:
+    the first), then tokenizer_config.json's token strings; None where none says."""
+    out: dict[str, int | None] = {"bos_id": None, "eot_id": None}
+    tok_cfg = _json_file(model_dir / "tokenizer_config.json")
+    for key, hf_key in (("bos_id", "bos"), ("eot_id", "eos")):
+        for cfg in (_json_file(model_dir / "generation_config.json"), _json_file(model_dir / "config.json")):
+            v = cfg.get(f"{hf_key}_token_id")
+            v = v[0] if isinstance(v, list) and v else v
+            if isinstance(v, int) and not isinstance(v, bool):
+                out[key] = v
+                break
+        else:
+            token = tok_cfg.get(f"{hf_key}_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            out[key] = hf.token_to_id(token) if isinstance(token, str) else None
+    return out
+
+
+def hf_spec(path: Path, fix: str) -> tuple[bytes, object, dict]:
+    """(bytes, `tokenizers.Tokenizer`, spec) of the tokenizer.json at `path`, with the BOS/EOS ids
+    of the model directory it sits in."""
+    data, hf = read_hf_file(path, fix)
+    spec = {"kind": "hf", "file": HF_FILE, "sha256": hashlib.sha256(data).hexdigest(),
+            "vocab_size": hf.get_vocab_size(with_added_tokens=True), **special_ids(path.parent, hf)}
+    return data, hf, spec
+
+
+def hf_tokenizer(data: bytes, hf, spec: dict, where: Path) -> HFTokenizer:
+    """The HFTokenizer for a spec whose ids are checked to be inside the vocabulary."""
+    from tokenizers import Tokenizer as HFTok
+
+    for key in ("bos_id", "eot_id"):
+        v = spec.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < spec["vocab_size"]):
+            raise UserError(f"{key}={v!r} recorded for tokenizer {where} is not an id of its "
+                            f"{spec['vocab_size']}-token vocabulary; fix the config files beside it")
+    hf.encode_special_tokens = True  # corpus text that looks like a special token stays text
+    return HFTokenizer(hf, HFTok.from_str(data.decode("utf-8")), spec, files=[spec["file"]])
+
+
+def warn_if_no_eos(tok: HFTokenizer, path: Path) -> None:
+    if tok.eot_id is None:
+        print(f"warning: no EOS id found beside {path} (generation_config.json, config.json or "
+              f"tokenizer_config.json), so documents are not separated and sampling stops only at "
+              f"max_new_tokens or --stop", file=sys.stderr)
+
+
+def hf_tokenizer_into(path: Path, out_dir: Path, *, prompt_template: bool = False,
+                      fix: str = PASS_HF) -> HFTokenizer:
+    """The tokenizer.json at `path` (ids from the files beside it), copied into `out_dir`."""
+    data, hf, spec = hf_spec(path, fix)
+    tok = hf_tokenizer(data, hf, {**spec, "prompt_template": prompt_template}, path)
+    warn_if_no_eos(tok, path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / HF_FILE, data)
+    return tok
+
+
+def load_hf_spec(spec: dict, base_dir: Path) -> HFTokenizer:
+    """Rebuild an hf tokenizer from its spec and its file in `base_dir`."""
+    path = inside(base_dir, spec.get("file"))
+    fix = f"restore it into {base_dir}, or re-create that directory"
+    data, hf = read_hf_file(path, fix, spec.get("sha256"))
+    n = hf.get_vocab_size(with_added_tokens=True)
+    if spec.get("vocab_size") != n:
+        raise UserError(f"tokenizer {path} has {n} tokens, its spec says {spec.get('vocab_size')!r}; {fix}")
+    return hf_tokenizer(data, hf, dict(spec), path)

@@ -61,3 +61,21 @@ def torch_logits(model, idx):
     import torch
     with torch.no_grad():
         return model(torch.tensor(idx)).logits.float().numpy()
+
+
+def make_hf_tokenizer(model_dir: Path, vocab_size: int = 290, text: str | None = None) -> Path:
+    """A Llama-style Hugging Face tokenizer.json in `model_dir`: byte-level BPE learned from
+    Shakespeare, specials <unk>=0, <s>=1, </s>=2, and a template that starts each prompt with <s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = text or (Path(__file__).resolve().parent.parent / "data" / "shakespeare.txt").read_text()[:50000]
+    hf.train_from_iterator([corpus], trainer=trainer)
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    model_dir.mkdir(parents=True, exist_ok=True)
+    hf.save(str(model_dir / "tokenizer.json"))
+    return model_dir / "tokenizer.json"

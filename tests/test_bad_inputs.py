@@ -78,6 +78,7 @@ def w(tmp_path_factory, char_data):
         "layer_norm_epsilon": 1e-5}))
     (root / "hf_bin" / "pytorch_model.bin").write_bytes(b"\x80\x02pickle")
     (root / "text.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    (root / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # truncated
     return dict(root=root, data=char_data, good=good, bad=bad, old_data=root / "old_data")
 
 
@@ -156,6 +157,12 @@ def cases(w) -> list[Case]:
                                          f"--out_dir={root / 'a_file' / 'sub'}"], "out_dir", root / "a_file"),
         Case("data unknown tokenizer", D + ["--input", str(root / "text.txt"), "--tokenizer=word",
                                             f"--out_dir={new}"], "unknown tokenizer", new),
+        Case("data hf tokenizer missing", D + ["--input", str(root / "text.txt"),
+                                               f"--tokenizer=hf:{root / 'nope' / 'tokenizer.json'}",
+                                               f"--out_dir={new}"], "cannot read tokenizer", new),
+        Case("data hf tokenizer unreadable", D + ["--input", str(root / "text.txt"),
+                                                  f"--tokenizer=hf:{root / 'tokenizer.json'}",
+                                                  f"--out_dir={new}"], "not a readable Hugging Face", new),
         Case("data missing tokenizer", D + ["--input", str(root / "text.txt"), f"--out_dir={new}"],
              "--tokenizer", new),
         # python -m gpt.convert

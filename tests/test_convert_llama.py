@@ -16,7 +16,7 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from gpt import convert  # noqa: E402
 from gpt.errors import UserError  # noqa: E402
-from helpers import perturb_and_save, tiny_gpt, torch_logits  # noqa: E402
+from helpers import make_hf_tokenizer, perturb_and_save, tiny_gpt, torch_logits  # noqa: E402
 
 TOL = 1e-4
 V = 300
@@ -120,3 +120,53 @@ def test_unsupported_configs_are_one_clear_error(tmp_path, kw, match):
     d = _write_config(tmp_path / "m", **kw)
     with pytest.raises(UserError, match=match):
         convert.load_hf(d)
+
+
+def test_converted_dir_samples_with_its_tokenizer(tmp_path, capsys):
+    """A Hugging Face directory with tokenizer.json: sample.py needs no flags, its prompt ids and
+    greedy text equal transformers' (tokenizer template with BOS, generate), the tokenizer goes
+    back out with --to_hf, and a run past block_size rolls the RoPE cache."""
+    import sample
+    src, out, dst = tmp_path / "hf", tmp_path / "ours", tmp_path / "hf2"
+    model = make_hf(src, "llama-gqa", seed=2)
+    make_hf_tokenizer(src)
+    (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    assert convert.main(["--from_hf", str(src), "--out_dir", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(src / "tokenizer.json"))
+    ids = ref("ROMEO: so")["input_ids"]
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=2,
+                             pad_token_id=0)[0, len(ids):].tolist()
+    want = ref.decode(ids + gen[:gen.index(2)] if 2 in gen else ids + gen, skip_special_tokens=True)
+    capsys.readouterr()
+    assert sample.main([f"--out_dir={out}", "--prompt=ROMEO: so", "--temperature=0",
+                        "--max_new_tokens=12"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    assert sample.main([f"--out_dir={out}", "--prompt=ROMEO: so", "--max_new_tokens=80"]) == 0
+    assert "rolling KV cache" in capsys.readouterr().err  # 64-token context, 84 tokens
+
+    assert convert.main(["--to_hf", "--out_dir", str(out), "--hf_dir", str(dst)]) == 0
+    assert (dst / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    config = json.loads((dst / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+
+
+def test_hf_tokenizer_bad_input_writes_nothing(tmp_path):
+    src = tmp_path / "hf"
+    make_hf(src, "qwen2")
+    make_hf_tokenizer(src, vocab_size=V + 40)  # more tokens than the model's 300
+    with pytest.raises(UserError, match=f"tokens but the model.s vocabulary is {V}; use the tokenizer"):
+        convert.from_hf_to_checkpoint(src, tmp_path / "out")
+    (src / "tokenizer.json").write_text("{}")
+    with pytest.raises(UserError, match="not a readable Hugging Face tokenizer.json.*fix or remove"):
+        convert.from_hf_to_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    good = tmp_path / "good"  # an existing conversion survives a failed --overwrite
+    make_hf(good, "qwen2")
+    convert.from_hf_to_checkpoint(good, tmp_path / "out")
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*"))
+    with pytest.raises(UserError, match="not a readable"):
+        convert.from_hf_to_checkpoint(src, tmp_path / "out", overwrite=True)
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*")) == before

@@ -12,9 +12,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gpt.data as data
-from gpt.data import (_PRINTABLE, FORMAT_VERSION, Batches, check_split_sizes, ensure_prepared,
-                      find_cut, load_meta, prepare, resolve_inputs, token_dtype)
+from gpt.data import (_PRINTABLE, FORMAT_VERSION, Batches, _char_boundary, check_split_sizes,
+                      ensure_prepared, find_cut, iter_file_pieces, load_meta, prepare, resolve_inputs,
+                      token_dtype)
 from gpt.errors import UserError
+from helpers import make_hf_tokenizer
 from gpt.tokenizer import TiktokenTokenizer, build_tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,6 +140,59 @@ def test_bpe_prepare_writes_tokenizer_file(tmp_path):
     assert meta["vocab_size"] == 301 and (tmp_path / "out" / "tokenizer.tiktoken").is_file()
     tok = load_tokenizer(meta["tokenizer"], tmp_path / "out")
     assert tok.decode(read_bin(tmp_path / "out", "train").tolist()) == SHAKESPEARE[:54_000]
+
+
+MULTIBYTE = "漢字かなカナ、한국어텍스트🎉👩\u200d👩\u200d👧🇫🇷e\u0301a\u0308Ελληνικά\n" * 3
+
+
+def test_pieces_never_split_a_character(tmp_path):
+    """Every chunk size and every train/val cut position over unspaced CJK, emoji (ZWJ, flags) and
+    combining marks: the pieces decode strictly and join to the text, with a boundary at the cut
+    moved back to the start of the character it falls in (a real bug: CJK corpora failed)."""
+    raw = MULTIBYTE.encode()
+    f = write(tmp_path / "m.txt", MULTIBYTE)
+    starts = {i for i in range(len(raw) + 1) if i == len(raw) or (raw[i] & 0xC0) != 0x80}
+    for chunk in (1, 2, 3, 5, 16):
+        for cut in range(len(raw) + 1):
+            pieces = list(iter_file_pieces(f, "strict", cut, chunk_bytes=chunk))
+            assert "".join(t for _, _, t in pieces) == MULTIBYTE
+            ends = {e for _, e, _ in pieces}
+            assert max(i for i in starts if i <= cut) in ends | {0}
+            assert all(e in starts for e in ends)
+    assert _char_boundary("€".encode()[:2], 2) == 0 and _char_boundary("a€".encode(), 2) == 1
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "gpt2", "hf"])
+def test_multibyte_corpus_prepares_with_tiny_pieces(tmp_path, monkeypatch, tokenizer):
+    """Every tokenizer, pieces of a few bytes, several split points: nothing is lost or garbled."""
+    monkeypatch.setattr(data, "CHUNK_BYTES", 7)
+    name = f"hf:{make_hf_tokenizer(tmp_path / 'hf')}" if tokenizer == "hf" else tokenizer
+    src = write(tmp_path / "m.txt", MULTIBYTE)
+    for frac in (0.1, 0.37, 0.5):
+        meta = prepare([src], name, tmp_path / f"out{frac}", val_fraction=frac)
+        tok = load_tokenizer(meta["tokenizer"], tmp_path / f"out{frac}")
+        parts = [tok.decode(read_bin(tmp_path / f"out{frac}", s).tolist()) for s in ("train", "val")]
+        assert "".join(parts) == MULTIBYTE
+        if tokenizer == "char":  # exact anywhere
+            assert read_bin(tmp_path / f"out{frac}", "train").tolist() + \
+                read_bin(tmp_path / f"out{frac}", "val").tolist() == tok.encode(MULTIBYTE)
+
+
+def test_hf_tokenizer_prepare_documents_and_cache(tmp_path):
+    """hf:PATH: documents separated by the model's EOS, the tokenizer.json copied beside the data,
+    the process workers rebuilding it from there, and the cache keyed by the file's content."""
+    hf = make_hf_tokenizer(tmp_path / "model")
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    a, b = write(tmp_path / "a.txt", SHAKESPEARE[:20_000]), write(tmp_path / "b.txt", SHAKESPEARE[20_000:30_000])
+    meta = prepare([a, b], f"hf:{hf}", tmp_path / "out", val_fraction=0.0, workers=2, backend="process")
+    tok = load_tokenizer(meta["tokenizer"], tmp_path / "out")
+    assert meta["tokenizer"]["kind"] == "hf" and (tmp_path / "out" / "tokenizer.json").is_file()
+    want = tok.encode(SHAKESPEARE[:20_000]) + [2] + tok.encode(SHAKESPEARE[20_000:30_000])
+    assert read_bin(tmp_path / "out", "train").tolist() == want
+    d1 = ensure_prepared([a], f"hf:{hf}", tmp_path / "cache")
+    assert ensure_prepared([a], f"hf:{tmp_path / 'model'}", tmp_path / "cache") == d1  # same file
+    make_hf_tokenizer(tmp_path / "model", vocab_size=280)  # a different tokenizer at the same path
+    assert ensure_prepared([a], f"hf:{hf}", tmp_path / "cache") != d1
 
 
 def test_backends_agree(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 from helpers import tiny_model_config
-from gpt.model import GPT
+from gpt.model import GPT, init_cache
 from bench.nocache import full_recompute_generate
 from gpt.sampling import (SamplingSettings, Sampler, filter_logits,
                           generate, left_pad, sample_token)
@@ -35,7 +35,6 @@ def test_cached_logits_match_full_forward(model):
     tokens = generate(model, prompt, jax.random.key(0), greedy(20))
     full, _ = model(tokens)
     # Re-run the cached path step by step and compare each step's logits with the full pass.
-    from gpt.model import init_cache
     cache = init_cache(model.cfg, 1, 32, model.rt.dtype)
     logits, cache = model(tokens[:, :6], cache=cache)
     steps = [logits[:, -1]]
@@ -56,6 +55,42 @@ def test_past_block_size_matches_nanogpt_crop():
     long_prompt = list(range(1, 30))  # longer than block_size: cropped like nanoGPT
     got = Sampler(model, greedy(10)).generate([long_prompt], jax.random.key(0))[0]
     assert got == full_recompute_generate(model, long_prompt, jax.random.key(0), greedy(10))
+
+
+def rope_window_greedy(model, prompt, n):
+    """Greedy tokens where each is predicted from the last block_size tokens at their own positions
+    (counted from the prompt's first token, or from its crop to block_size), recomputed each time."""
+    W = model.cfg.block_size
+    first = max(0, len(prompt) - W)
+    tokens = list(prompt)
+    for _ in range(n):
+        window = tokens[-W:]
+        offset = len(tokens) - len(window) - first  # positions offset .. offset + len(window) - 1
+        cache = init_cache(model.cfg, 1, len(window), jnp.float32, jnp.array([-offset]))
+        logits, _ = model(jnp.array([window], jnp.int32), cache=cache)
+        tokens.append(int(jnp.argmax(logits[0, -1])))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("pos", ["rope", "none"])
+def test_rope_cache_rolls_past_block_size(pos):
+    """RoPE (and no positions): past block_size the cache is a ring of the last block_size tokens at
+    their absolute positions; equal to recomputing that window at the same positions."""
+    cfg = tiny_model_config(block_size=16, pos_embedding=pos, norm="rmsnorm", mlp="swiglu",
+                            n_kv_head=2, n_head=4)
+    model = GPT(cfg, rngs=nnx.Rngs(5))
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    sampler = Sampler(model, greedy(40), chunk=8)
+    state = sampler.start(prompts, jax.random.key(0))
+    assert state.cache.k_LBSHK.shape[2] == 16  # never more than block_size slots
+    for state in sampler.chunks(state):
+        pass
+    assert int(state.cache.index) == 5 + 40  # every step was a cached one (no recompute)
+    for p, row in zip(prompts, sampler.new_tokens(state, prompts)):
+        assert row == rope_window_greedy(model, p, 40)
+    long_prompt = list(range(1, 30))
+    got = Sampler(model, greedy(10)).generate([long_prompt], jax.random.key(0))[0]
+    assert got == rope_window_greedy(model, long_prompt, 10)
 
 
 def test_top_p_hand_built():

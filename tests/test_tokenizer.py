@@ -11,8 +11,9 @@ import tiktoken.load
 from hypothesis import given, settings, strategies as st
 
 from gpt.errors import UserError
+from helpers import make_hf_tokenizer
 from gpt.tokenizer import (BPE_FILE, GPT2_PATTERN, GPT2_RANKS_FILE, GPT2_RANKS_SHA256, EOT, build_tokenizer,
-                           bytes_to_unicode, load_tokenizer, tokenizer_from_hf, train_hf_bpe,
+                           bytes_to_unicode, hf_tokenizer_into, load_tokenizer, tokenizer_from_hf, train_hf_bpe,
                            unicode_to_bytes)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,3 +199,64 @@ def test_byte_table_is_a_bijection():
     assert sorted(table) == list(range(256)) and len(set(table.values())) == 256
     assert unicode_to_bytes("".join(table[b] for b in range(256))) == bytes(range(256))
     assert table[ord("A")] == "A" and table[ord(" ")] == "Ġ"
+
+
+# ----------------------------------------------------------------------------- hf:PATH (tokenizer.json)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf_tok")
+    make_hf_tokenizer(d)
+    (d / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 0]}))
+    return d
+
+
+def test_hf_tokenizer_matches_transformers(hf_dir, tmp_path):
+    """With the prompt template (converted checkpoints), prompts are encoded exactly as
+    transformers' tokenizer does (BOS here); plain text and data-prepared tokenizers have no
+    template; decode inverts; ids come from config.json."""
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"))
+    tok = hf_tokenizer_into(hf_dir / "tokenizer.json", tmp_path, prompt_template=True)
+    assert (tmp_path / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
+    assert (tok.vocab_size, tok.bos_id, tok.eot_id) == (len(ref), 1, 2)  # EOS list: the first
+    for text in SAMPLES[:10]:
+        assert tok.encode_prompt(text) == ref(text)["input_ids"]
+        assert tok.encode(text) == ref(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("<s>") != [1] and tok.encode_prompt("<s>") == [1, 1]  # corpus text stays text
+    again = load_tokenizer(json.loads(json.dumps(tok.spec)), tmp_path)
+    assert again.encode_prompt(SAMPLES[1]) == tok.encode_prompt(SAMPLES[1]) and again.files() == tok.files()
+    plain = build_tokenizer(f"hf:{hf_dir}", None, tmp_path / "data")  # the directory works too
+    assert plain.encode_prompt(SAMPLES[1]) == plain.encode(SAMPLES[1]) == tok.encode(SAMPLES[1])
+
+
+def test_hf_tokenizer_ids_from_tokenizer_config(tmp_path):
+    d = tmp_path / "m"
+    make_hf_tokenizer(d)
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    tok = build_tokenizer(f"hf:{d / 'tokenizer.json'}", None, tmp_path / "out")
+    assert (tok.bos_id, tok.eot_id) == (1, 2)
+
+
+def test_hf_tokenizer_errors(hf_dir, tmp_path):
+    with pytest.raises(UserError, match="cannot read tokenizer"):
+        build_tokenizer(f"hf:{tmp_path / 'none.json'}", None, tmp_path / "o")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UserError, match="not a readable Hugging Face tokenizer.json"):
+        build_tokenizer(f"hf:{tmp_path / 'bad.json'}", None, tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    tok = build_tokenizer(f"hf:{hf_dir}", None, tmp_path / "ok")
+    with pytest.raises(UserError, match="plain file name"):
+        load_tokenizer({**tok.spec, "file": "../tokenizer.json"}, tmp_path / "ok")
+    (tmp_path / "ok" / "tokenizer.json").write_text((hf_dir / "tokenizer.json").read_text() + " ")
+    with pytest.raises(UserError, match="has changed"):
+        load_tokenizer(tok.spec, tmp_path / "ok")
+    bad_ids = tmp_path / "ids"
+    make_hf_tokenizer(bad_ids)
+    (bad_ids / "generation_config.json").write_text(json.dumps({"eos_token_id": 5000}))
+    with pytest.raises(UserError, match="eot_id=5000"):
+        build_tokenizer(f"hf:{bad_ids}", None, tmp_path / "o2")
+    with pytest.raises(UserError, match="needs a path"):
+        build_tokenizer("hf:", None, tmp_path / "o3")
