@@ -1,0 +1,76 @@
+"""gpt/checkpoint.py on its own (tiny pytrees, no training): round trip, retention of the last N
+plus the best by val loss, fallback past a damaged step, metadata reads, clear messages.
+Crash, signal and full-disk behaviour of whole training runs: tests/test_reliability.py."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gpt import checkpoint as ckpt
+from gpt.errors import UserError
+
+PARAMS = {"w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3), "b": jnp.ones((3,), jnp.float32)}
+OPT = {"mu": jnp.zeros((2, 3), jnp.float32)}
+
+
+def meta(step: int) -> dict:
+    return {"format_version": ckpt.FORMAT_VERSION, "step": step, "config": {"model": {}}}
+
+
+def abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def save_steps(out, losses: dict[int, float | None], keep: int = 2) -> None:
+    c = ckpt.Checkpointer(out, keep=keep, async_save=True)
+    for step, loss in losses.items():
+        scaled = jax.tree.map(lambda a: a * step, PARAMS)
+        c.save(step, scaled, OPT, meta(step), val_loss=loss)
+    c.close()
+
+
+def test_round_trip_params_only_and_with_optimizer(tmp_path):
+    save_steps(tmp_path, {1: 2.0, 2: 1.5})
+    c = ckpt.Checkpointer(tmp_path, read_only=True)
+    step, params, opt, m = c.restore(abstract(PARAMS))
+    assert step == 2 and opt is None and m["step"] == 2
+    np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(PARAMS["w"]) * 2)
+    step, _, opt, _ = c.restore(abstract(PARAMS), abstract(OPT), step=1)
+    assert step == 1 and np.asarray(opt["mu"]).shape == (2, 3)
+
+
+def test_keeps_last_n_and_the_best(tmp_path):
+    save_steps(tmp_path, {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5, 5: None}, keep=2)
+    assert ckpt.list_steps(tmp_path) == [2, 4, 5]  # the best (2) survives the last-2 window
+
+
+def test_damaged_newest_falls_back_and_is_moved_aside(tmp_path, capsys):
+    save_steps(tmp_path, {1: 2.0, 2: 1.5})
+    shutil.rmtree(ckpt.checkpoint_dir(tmp_path) / "2" / "params")
+    step, params, _, _ = ckpt.Checkpointer(tmp_path).restore(abstract(PARAMS))
+    assert step == 1 and "checkpoint step 2 is damaged" in capsys.readouterr().err
+    assert ckpt.list_steps(tmp_path) == [1] and (ckpt.checkpoint_dir(tmp_path) / "2.damaged").is_dir()
+
+
+def test_every_step_damaged_and_missing_are_one_line(tmp_path):
+    save_steps(tmp_path, {1: 2.0})
+    shutil.rmtree(ckpt.checkpoint_dir(tmp_path) / "1" / "params")
+    with pytest.raises(UserError, match=r"every checkpoint .* is damaged \(steps \[1\]"):
+        ckpt.Checkpointer(tmp_path, read_only=True).restore(abstract(PARAMS))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match=r"no checkpoint found .* \(it holds: notes.txt\)"):
+        ckpt.read_meta(tmp_path / "other")
+    assert "does not exist" in ckpt.describe_missing(tmp_path / "nowhere")
+
+
+def test_read_meta_skips_a_step_whose_meta_is_damaged(tmp_path):
+    save_steps(tmp_path, {1: 2.0, 2: 1.5})
+    (ckpt.checkpoint_dir(tmp_path) / "2" / "meta" / "metadata").write_text("{torn")
+    step, m = ckpt.read_meta(tmp_path)
+    assert step == 1 and m == json.loads(json.dumps(meta(1)))

@@ -1,0 +1,63 @@
+"""gpt/metrics.py: throughput/MFU arithmetic, the metrics log across resumes and crashes, the plot,
+and the measured ceilings (values sane, never timed against a threshold)."""
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gpt.metrics import (MetricsLog, Throughput, device_name, measure_copy_gbps, measure_matmul_tflops,
+                         to_host, vendor_peak_tflops)
+
+
+def test_throughput_arithmetic():
+    t = Throughput(flops_per_token=6e6, ceiling_tflops=0.5, vendor_tflops=2.0, n_devices=2)
+    r = t(tokens=10_000, seconds=2.0)
+    assert r["tokens_per_sec"] == 5000
+    assert r["model_tflops"] == pytest.approx(5000 * 6e6 / 1e12)
+    assert r["mfu"] == pytest.approx(r["model_tflops"] / 2 / 0.5)  # per device, over the ceiling
+    assert r["mfu_vendor"] == pytest.approx(r["model_tflops"] / 2 / 2.0)
+    none = Throughput(6e6, None, None)(100, 0.0)  # no ceilings; zero time does not divide by zero
+    assert none["mfu"] is None and none["mfu_vendor"] is None and np.isfinite(none["tokens_per_sec"])
+
+
+def test_log_resume_drops_later_and_torn_lines(tmp_path):
+    log = MetricsLog(tmp_path, tensorboard=False)
+    for step in (10, 20, 30):
+        log.write({"kind": "train", "step": step, "loss": 1.0 / step})
+    with open(log.path, "a") as f:
+        f.write('{"kind": "train", "step": 4')  # a line torn by a crash mid-write
+    assert [r["step"] for r in log.records()] == [10, 20, 30]
+    resumed = MetricsLog(tmp_path, resume_step=20, tensorboard=False)
+    assert [r["step"] for r in resumed.records()] == [10, 20]
+    assert log.path.read_text().endswith("\n")  # the torn line is gone, not glued to the next
+    MetricsLog(tmp_path, tensorboard=False)  # a fresh run starts a fresh log
+    assert not log.path.exists()
+
+
+def test_disabled_log_writes_nothing(tmp_path):
+    log = MetricsLog(tmp_path, enabled=False)
+    log.write({"kind": "train", "step": 1, "loss": 2.0})
+    log.plot()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_and_tensorboard_events(tmp_path):
+    log = MetricsLog(tmp_path)
+    log.write({"kind": "train", "step": 1, "loss": 3.0, "lr": 1e-3})
+    log.write({"kind": "eval", "step": 1, "train_loss": 2.9, "val_loss": 3.1})
+    log.plot()
+    log.close()
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+    assert json.loads(log.path.read_text().splitlines()[0])["lr"] == 1e-3
+
+
+def test_measured_ceilings_and_names_are_sane():
+    assert 0 < measure_matmul_tflops(jnp.float32, n=128, reps=2) < 1e4
+    assert 0 < measure_copy_gbps(n_bytes=1 << 20, reps=2) < 1e5
+    assert device_name()
+    assert vendor_peak_tflops("float32") is None or vendor_peak_tflops("float32") > 0
+    assert to_host({"a": jnp.array(1.5), "b": np.float32(2)}) == {"a": 1.5, "b": 2.0}
