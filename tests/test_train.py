@@ -188,3 +188,18 @@ def test_init_from_checkpoint_dir_and_hf_gpt2(tmp_path, char_data, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "nohf"))
     with pytest.raises(UserError, match="GPT-2 weights not found locally"):
         T.prepare_setup(*configs(tmp_path / "bad2", char_data, "--init_from=gpt2"))
+
+
+def test_llama_tiny_preset_trains_and_samples(tmp_path, char_data, capsys):
+    """`python train.py --preset=llama-tiny` (RoPE, RMSNorm, SwiGLU, GQA, untied head) learns on
+    the bundled corpus, and sample.py reads the checkpoint back, past block_size (rolling cache)."""
+    import sample
+    out = tmp_path / "llama"
+    r = T.train(T.prepare_setup(*build_train(["--preset=llama-tiny", f"--out_dir={out}",
+                                              f"--data_dir={char_data}", "--no_progress"])))
+    losses = dict(r["train_losses"])
+    assert losses[max(losses)] < losses[min(losses)] - 0.25  # 20 steps of batch 4: learning
+    capsys.readouterr()
+    assert sample.main([f"--out_dir={out}", "--prompt=ROMEO:", "--max_new_tokens=80", "--seed=1"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith("ROMEO:") and len(cap.out) > 60 and "rolling KV cache" in cap.err
