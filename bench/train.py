@@ -37,7 +37,7 @@ from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import ComputeConfig, ModelConfig, TrainConfig, build_train, validate_compute  # noqa: E402
 from gpt.errors import UserError  # noqa: E402
 from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
-from gpt.runtime import resolve  # noqa: E402
+from gpt.runtime import cpu_native_bf16, dtype_note, resolve  # noqa: E402
 from gpt.train import make_optimizer, make_train_step  # noqa: E402
 
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
@@ -165,7 +165,9 @@ def main(argv: list[str]) -> int:
             m = dataclasses.replace(m, vocab_size=CHAR_VOCAB)
         dtypes = [d for d in opts["dtypes"].split(",") if d] or [c.dtype]
         device = metrics_lib.device_name()
-        print(f"device: {device}; jax {jax.__version__}")
+        native = jax.default_backend() != "cpu" or cpu_native_bf16()
+        print(f"device: {device}; jax {jax.__version__}; bf16 matmuls "
+              f"{'native' if native else 'emulated (no AVX512_BF16/AMX): auto picks float32'}")
         print(f"model: {num_params(m) / 1e6:.2f}M params, L={m.n_layer} H={m.n_head} D={m.n_embd} "
               f"T={m.block_size} V={m.vocab_size}; batch {t.batch_size} x accum "
               f"{t.gradient_accumulation_steps}; dropout {c.dropout}; attention {c.attention}; "
@@ -179,7 +181,8 @@ def main(argv: list[str]) -> int:
                   f"{r['step_ms_max']:.1f}) | {r['tokens_per_sec']:,.0f} tok/s | "
                   f"{r['model_tflops']:.3f} model TFLOP/s | matmul ceiling "
                   f"{r['ceiling_tflops']:.3f} TFLOP/s | MFU {100 * r['mfu_measured']:.1f}% of "
-                  f"measured, {vend} of vendor | loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}")
+                  f"measured, {vend} of vendor | loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}"
+                  f"{dtype_note(jnp.dtype(r['dtype']))}")
         for r in runs[1:]:
             key = "speedup_vs_" + runs[0]["dtype"]
             print(f"  {r['dtype']} vs {runs[0]['dtype']}: {r[key]:.2f}x faster step (medians; "
@@ -188,7 +191,7 @@ def main(argv: list[str]) -> int:
         out.update(device=device, preset=next((a.split("=", 1)[1] for a in rest
                                                if a.startswith("--preset=")), "default"),
                    batch_size=t.batch_size, block_size=m.block_size, n_params=num_params(m),
-                   jax=jax.__version__, runs=runs)
+                   jax=jax.__version__, bf16_native=native, runs=runs)
         print(json.dumps(out))
         return 0
     except UserError as e:

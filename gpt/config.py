@@ -69,7 +69,7 @@ class ComputeConfig:
     """How the model is run on this machine: chosen per run, never stored as the architecture (a
     resumed or fine-tuned run takes them from its own command line)."""
     dropout: float = 0.0
-    dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU/TPU) | float32 | bfloat16
+    dtype: str = "auto"  # auto (bfloat16 on GPU/TPU and CPUs with AVX512_BF16/AMX, else float32) | float32 | bfloat16
     attention: str = "auto"  # auto | xla | cudnn | einsum (the plain reference implementation)
     remat: str = "none"  # none | block | dots: activation rematerialisation per block
     scan_layers: bool = False  # one compiled block applied with lax.scan (fast compile for deep models)

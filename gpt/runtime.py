@@ -9,6 +9,7 @@ so no traced code asks which backend it runs on, and tests pick a kernel by buil
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +33,47 @@ class Runtime:
     dense_vjp: bool = True  # dense layers with the hand-written backward (False: plain autodiff)
 
 
+CPU_BF16_ENV = "GPT_CPU_BF16"  # 1/0 overrides the detection (the tests pin float32 with 0)
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX). Elsewhere XLA emulates bf16
+    matmuls through float32 and a bf16 step is slower than a float32 one (BENCHMARKS.md)."""
+    forced = os.environ.get(CPU_BF16_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
 def compute_dtype(choice: str, backend: str | None = None) -> jnp.dtype:
-    """--dtype: float32 on CPU and bfloat16 on GPU/TPU for auto, else as given."""
+    """--dtype: for auto, bfloat16 on GPU/TPU and on CPUs with native bf16, float32 on other CPUs;
+    else as given."""
     if choice == "auto":
         backend = backend or jax.default_backend()
-        return jnp.dtype(jnp.float32 if backend == "cpu" else jnp.bfloat16)
+        native = backend != "cpu" or cpu_native_bf16()
+        return jnp.dtype(jnp.bfloat16 if native else jnp.float32)
     return jnp.dtype(choice)
+
+
+def dtype_note(dtype: jnp.dtype, backend: str | None = None) -> str:
+    """A note for the start-up line when the compute dtype is bf16 on a CPU that emulates it."""
+    backend = backend or jax.default_backend()
+    if backend == "cpu" and jnp.dtype(dtype) == jnp.bfloat16 and not cpu_native_bf16():
+        return (" (warning: this CPU has no native bf16 (no AVX512_BF16/AMX), so bfloat16 is emulated "
+                "and slower than float32; --dtype=auto picks float32 here)")
+    return ""
 
 
 def training_attention(choice: str, dtype: jnp.dtype, head_dim: int, backend: str) -> str:

@@ -31,7 +31,7 @@ from gpt import sharding
 from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, to_dict
 from gpt.errors import UserError
 from gpt.model import GPT, abstract_model, abstract_params, flops_per_token, num_params
-from gpt.runtime import Runtime, resolve
+from gpt.runtime import Runtime, dtype_note, resolve
 from gpt.tokenizer import REPO_ROOT, load_tokenizer
 
 BUNDLED_CORPUS = REPO_ROOT / "data" / "shakespeare.txt"
@@ -343,7 +343,7 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
     total_b, per_dev_b = sharding.state_bytes((state.params, state.opt_state))
     log(f"{num_params(m) / 1e6:.2f}M params; params+optimizer {total_b / 1e9:.3f} GB in all, "
         f"{per_dev_b / 1e9:.3f} GB per device on {mesh.size} (mesh {dict(mesh.shape)}); "
-        f"compute {rt.dtype.name}")
+        f"compute {rt.dtype.name}{dtype_note(rt.dtype)}")
     copy_tokenizer_files(s, out)
     shards["batch"] = sharding.batch_sharding(mesh, ndim=3)
     shards["eval"] = sharding.batch_sharding(mesh, ndim=2)

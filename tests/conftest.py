@@ -9,6 +9,9 @@ import pytest
 from helpers import REPO
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# --dtype=auto is bfloat16 on CPUs with native bf16; the tests' tolerances are for float32, and the
+# same on every machine class, so auto means float32 here (subprocesses inherit it).
+os.environ.setdefault("GPT_CPU_BF16", "0")
 
 
 @pytest.fixture(scope="session")
