@@ -82,6 +82,8 @@ class TrainConfig:
     data_dir: str = ""  # a prepared data dir (python -m gpt.data); empty: the bundled Shakespeare
     input: list[str] = field(default_factory=list, metadata={"sep": ","})  # files/folders/globs
     tokenizer: str = "char"  # with --input: gpt2 | char | bpe:N | hf:PATH/tokenizer.json
+    text_field: str = "text"  # with --input: JSONL key (dotted: nested) or Parquet column of the text
+    skip_bad_records: bool = False  # with --input: skip (and count) records without a string text field
     init_from: str = "scratch"  # scratch | resume | gpt2 | <checkpoint dir>
     overwrite: bool = False
     seed: int = 1337

@@ -164,7 +164,8 @@ def resolve_data(t: TrainConfig) -> Path:
         return Path(t.data_dir)
     inputs = t.input or [str(BUNDLED_CORPUS)]
     cache = Path(os.environ.get("GPT_DATA_CACHE", REPO_ROOT / "data" / "cache"))
-    return data_lib.ensure_prepared(inputs, t.tokenizer, cache)
+    return data_lib.ensure_prepared(inputs, t.tokenizer, cache, text_field=t.text_field,
+                                    skip_bad_records=t.skip_bad_records)
 
 
 def _arch_diff(a: ModelConfig, b: ModelConfig, keys) -> list[str]:

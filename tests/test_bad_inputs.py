@@ -79,7 +79,23 @@ def w(tmp_path_factory, char_data):
     (root / "hf_bin" / "pytorch_model.bin").write_bytes(b"\x80\x02pickle")
     (root / "text.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
     (root / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # truncated
+    import gzip
+    (root / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "cut off\n')  # line 2 is not JSON
+    (root / "nocol.parquet").write_bytes(_parquet_bytes({"content": ["a document"]}))
+    (root / "fake.parquet").write_text("text,label\nhello,1\n")  # a CSV named .parquet
+    raw = gzip.compress(b"First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50)
+    (root / "cut.txt.gz").write_bytes(raw[:len(raw) // 2])  # a truncated download
     return dict(root=root, data=char_data, good=good, bad=bad, old_data=root / "old_data")
+
+
+def _parquet_bytes(columns: dict) -> bytes:
+    """A small Parquet file's bytes (pyarrow writes it)."""
+    import io
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    buf = io.BytesIO()
+    pq.write_table(pa.table(columns), buf)
+    return buf.getvalue()
 
 
 def cases(w) -> list[Case]:
@@ -165,6 +181,15 @@ def cases(w) -> list[Case]:
                                                   f"--out_dir={new}"], "not a readable Hugging Face", new),
         Case("data missing tokenizer", D + ["--input", str(root / "text.txt"), f"--out_dir={new}"],
              "--tokenizer", new),
+        Case("data jsonl not json", D + ["--input", str(root / "bad.jsonl"), "--tokenizer=gpt2",
+                                         f"--out_dir={new}"], "bad.jsonl' line 2 is not valid JSON", new),
+        Case("data parquet no column", D + ["--input", str(root / "nocol.parquet"), "--tokenizer=gpt2",
+                                            f"--out_dir={new}"], "no column 'text' (columns: content)", new),
+        Case("data not parquet", D + ["--input", str(root / "fake.parquet"), "--tokenizer=char",
+                                      f"--out_dir={w['old_data']}"], "not a readable Parquet", w["old_data"]),
+        Case("train truncated gzip", [PY, "train.py", "--preset=tiny", f"--out_dir={new}",
+                                      f"--input={root / 'cut.txt.gz'}", "--no_progress"],
+             "cut.txt.gz' is not a valid gzip file", new, {"GPT_DATA_CACHE": str(root / "cache")}),
         # python -m gpt.convert
         Case("convert missing dir", C + ["--from_hf", str(root / "nope"), f"--out_dir={new}"],
              "does not exist", new),
@@ -200,8 +225,8 @@ def own_new_dir(case: Case, new: Path) -> Case:
 FAST = {"train unknown flag", "train negative lr", "train heads", "train block too big",
         "train mesh axis", "train resume other model", "train scratch over checkpoints",
         "sample all damaged", "sample prompt outside vocab", "sample top_p above 1",
-        "data not utf-8", "data empty corpus", "convert pickle only", "convert not gpt2",
-        "evaluate no checkpoint"}
+        "data not utf-8", "data empty corpus", "data jsonl not json", "data parquet no column",
+        "convert pickle only", "convert not gpt2", "evaluate no checkpoint"}
 
 
 def check(case: Case) -> str | None:

@@ -407,3 +407,220 @@ def test_cli_prepares(tmp_path):
                         "--out_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "train" in r.stdout and "MB/s" in r.stdout and load_meta(tmp_path / "out")["vocab_size"] == 50257
+
+
+# ----- record and compressed formats (.txt.gz, .jsonl, .jsonl.gz, .parquet)
+
+DOCS = ["First document.\n", "", "Second, with ünicode 你好 🎉.\n", "Third\r\nline two", "x"]
+
+
+def write_format(path: Path, docs: list, field: str = "text") -> Path:
+    """Write `docs` (one per record; a .txt/.txt.gz holds them concatenated) in the format of
+    `path`'s suffix; a dotted `field` nests the JSON objects."""
+    import gzip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    name = path.name
+    if name.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path, row_group_size=2)
+        return path
+    if ".jsonl" in name:
+        def obj(doc):
+            for part in reversed(field.split(".")):
+                doc = {part: doc}
+            return doc
+        raw = "".join(json.dumps(obj(d)) + "\n" for d in docs).encode()
+    else:
+        raw = "".join(docs).encode()
+    path.write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+    return path
+
+
+def all_tokens(out: Path) -> list[int]:
+    return read_bin(out, "train").tolist() + read_bin(out, "val").tolist()
+
+
+def want_gpt2(docs: list[str]) -> list[int]:
+    """Each non-empty document encoded on its own, end-of-text between them."""
+    ids: list[int] = []
+    for d in (d for d in docs if d):
+        ids += ([50256] if ids else []) + GPT2.encode(d)
+    return ids
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "jsonl.gz", "parquet"])
+@pytest.mark.parametrize("frac", [0.0, 0.4])
+def test_record_formats_round_trip(tmp_path, suffix, frac):
+    src = write_format(tmp_path / f"docs.{suffix}", DOCS)
+    meta = prepare([src], "gpt2", tmp_path / "gpt2", val_fraction=frac)
+    assert all_tokens(tmp_path / "gpt2") == want_gpt2(DOCS)
+    assert meta["sources"][0]["format"] == suffix and meta["skipped_records"] == 0
+    assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == len("".join(DOCS).encode())
+    meta = prepare([src], "char", tmp_path / "char", val_fraction=frac)  # no end-of-text: concatenated
+    tok = load_tokenizer(meta["tokenizer"], tmp_path / "char")
+    assert tok.decode(all_tokens(tmp_path / "char")) == "".join(DOCS)
+
+
+def test_txt_gz_is_one_document(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CHUNK_BYTES", 4096)  # several 256-byte gz pieces: still exact
+    text = SHAKESPEARE[:20_000]
+    a = write_format(tmp_path / "a.txt.gz", [text])
+    b = write(tmp_path / "b.txt", "plain\n")
+    meta = prepare([a, b], "gpt2", tmp_path / "out", val_fraction=0.3)
+    assert all_tokens(tmp_path / "out") == want_gpt2([text, "plain\n"])
+    assert meta["sources"][0]["bytes"] == a.stat().st_size and len(meta["sources"][0]["sha256"]) == 64
+    import hashlib
+    assert meta["sources"][0]["sha256"] == hashlib.sha256(a.read_bytes()).hexdigest()
+
+
+def test_nested_text_field_and_dotted_key(tmp_path):
+    src = write_format(tmp_path / "n.jsonl.gz", DOCS, field="meta.body")
+    prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0, text_field="meta.body")
+    assert all_tokens(tmp_path / "out") == want_gpt2(DOCS)
+    flat = write(tmp_path / "f.jsonl", json.dumps({"meta.body": "dotted key", "meta": {}}) + "\n")
+    prepare([flat], "gpt2", tmp_path / "flat", val_fraction=0.0, text_field="meta.body")  # exact key wins
+    assert all_tokens(tmp_path / "flat") == GPT2.encode("dotted key")
+    pq_src = write_format(tmp_path / "c.parquet", DOCS, field="content")
+    prepare([pq_src], "gpt2", tmp_path / "pq", val_fraction=0.0, text_field="content")
+    assert all_tokens(tmp_path / "pq") == want_gpt2(DOCS)
+
+
+def test_mixed_folder_default_include(tmp_path):
+    folder = tmp_path / "corpus"
+    write(folder / "a.txt", "text file\n")
+    write_format(folder / "b.txt.gz", ["gzipped text\n"])
+    write_format(folder / "sub" / "c.jsonl", ["json one", "json two"])
+    write_format(folder / "sub" / "d.jsonl.gz", ["gz json"])
+    write_format(folder / "sub" / "e.parquet", ["parquet row"])
+    write(folder / "notes.md", "not included")
+    files = resolve_inputs([folder])
+    assert [p.relative_to(folder).as_posix() for p in files] == \
+        ["a.txt", "b.txt.gz", "sub/c.jsonl", "sub/d.jsonl.gz", "sub/e.parquet"]
+    prepare([folder], "gpt2", tmp_path / "out", val_fraction=0.0)
+    docs = ["text file\n", "gzipped text\n", "json one", "json two", "gz json", "parquet row"]
+    assert all_tokens(tmp_path / "out") == want_gpt2(docs)
+    assert [p.name for p in resolve_inputs([folder], include="*.md,*.txt")] == ["a.txt", "notes.md"]
+    assert [p.name for p in resolve_inputs([folder], include=["*.parquet"])] == ["e.parquet"]
+    assert [p.name for p in resolve_inputs([str(folder / "**" / "*.jsonl*")])] == ["c.jsonl", "d.jsonl.gz"]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet", "jsonl.gz"])
+def test_whole_records_go_to_val(tmp_path, suffix):
+    """Records are never split between train and val, and val is about val_fraction of them."""
+    rng = np.random.default_rng(0)
+    n = 3000 if suffix == "jsonl.gz" else 200  # gzip: enough compressed bytes for its 8 KiB reads
+    docs = [f"doc {i}: " + " ".join(f"{x:x}" for x in rng.integers(0, 1 << 30, 12)) + "\n" for i in range(n)]
+    src = write_format(tmp_path / f"r.{suffix}", docs)
+    prepare([src], "gpt2", tmp_path / "out", val_fraction=0.25)
+    train, val = read_bin(tmp_path / "out", "train").tolist(), read_bin(tmp_path / "out", "val").tolist()
+    assert train + val == want_gpt2(docs)
+    assert val[0] == 50256 and train[-1] != 50256  # the cut falls between two documents
+    n_val = val.count(50256)  # each val document is preceded by an end-of-text token
+    assert GPT2.decode(val[1:]) == "<|endoftext|>".join(docs[-n_val:])
+    assert abs(n_val / n - 0.25) < (0.1 if suffix == "jsonl.gz" else 0.02)
+
+
+def test_skip_bad_records_counts(tmp_path):
+    lines = ['{"text": "good one"}', "not json", '{"text": 5}', '{"other": "x"}', "[1, 2]", "",
+             '{"text": null}', '{"text": "\\ud800 lone surrogate"}', '{"text": "good two"}']
+    src = write(tmp_path / "bad.jsonl", "\n".join(lines) + "\n")
+    meta = prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0, skip_bad_records=True)
+    assert meta["skipped_records"] == 6  # the blank line is not a record
+    assert all_tokens(tmp_path / "out") == want_gpt2(["good one", "good two"])
+    meta = prepare([src], "char", tmp_path / "rep", val_fraction=0.0, skip_bad_records=True, errors="replace")
+    assert meta["skipped_records"] == 5  # the surrogate became U+FFFD
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": ["a", None, "b"]}), tmp_path / "nulls.parquet")
+    meta = prepare([tmp_path / "nulls.parquet"], "gpt2", tmp_path / "pq", val_fraction=0.0,
+                   skip_bad_records=True)
+    assert meta["skipped_records"] == 1 and all_tokens(tmp_path / "pq") == want_gpt2(["a", "b"])
+    r = subprocess.run([sys.executable, "-m", "gpt.data", "--input", str(src), "--tokenizer", "gpt2",
+                        "--out_dir", str(tmp_path / "cli"), "--skip_bad_records"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "skipped 6 bad record(s)" in r.stdout, r.stderr
+
+
+def _bad_record_input(tmp_path: Path, case: str) -> tuple[Path, dict]:
+    """A file with one kind of bad input, and the prepare() keywords that read it."""
+    import gzip
+    good = [json.dumps({"text": "fine"})] * 3
+    if case == "not json":
+        return write(tmp_path / "b.jsonl", "\n".join(good + ["{oops"]) + "\n"), {}
+    if case == "no field":
+        return write(tmp_path / "b.jsonl", "\n".join(good + ['{"body": "x"}']) + "\n"), {}
+    if case == "not a string":
+        return write(tmp_path / "b.jsonl", "\n".join(good + ['{"text": ["x"]}']) + "\n"), {}
+    if case == "parquet column":
+        return write_format(tmp_path / "b.parquet", ["x"], field="content"), {}
+    if case == "parquet null":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"text": ["x", None]}), tmp_path / "b.parquet")
+        return tmp_path / "b.parquet", {}
+    if case == "not parquet":
+        return write(tmp_path / "b.parquet", "text,label\nhello,1\n"), {}
+    if case == "truncated gzip":
+        raw = gzip.compress(SHAKESPEARE[:5000].encode())
+        return write(tmp_path / "b.txt.gz", raw[:len(raw) // 2]), {}
+    if case == "corrupt gzip":
+        raw = bytearray(gzip.compress(("\n".join(good) + "\n").encode()))
+        raw[-8:-4] = b"\0\0\0\0"  # the CRC
+        return write(tmp_path / "b.jsonl.gz", bytes(raw)), {}
+    assert case == "not gzip"
+    return write(tmp_path / "b.jsonl.gz", "\n".join(good)), {}
+
+
+@pytest.mark.parametrize("case, match", [
+    ("not json", r"b\.jsonl' line 4 is not valid JSON.*--skip_bad_records"),
+    ("no field", r"b\.jsonl' line 4 has no field 'text' \(top-level keys: body; pass --text_field"),
+    ("not a string", r"line 4 has a list in field 'text', not a string.*--skip_bad_records"),
+    ("parquet column", r"b\.parquet' has no column 'text' \(columns: id, content\); pass --text_field"),
+    ("parquet null", r"b\.parquet' row 2 has null in column 'text', not a string"),
+    ("not parquet", r"b\.parquet' is not a readable Parquet file"),
+    ("truncated gzip", r"b\.txt\.gz' is not a valid gzip file, or is truncated or corrupt"),
+    ("corrupt gzip", r"b\.jsonl\.gz' is not a valid gzip file, or is truncated or corrupt \(CRC"),
+    ("not gzip", r"b\.jsonl\.gz' is not a valid gzip file"),
+])
+def test_bad_records_and_files_are_user_errors(tmp_path, case, match):
+    src, kw = _bad_record_input(tmp_path, case)
+    good = write(tmp_path / "good.txt", "fine text\n" * 100)
+    with pytest.raises(UserError, match=match):
+        prepare([good, src], "gpt2", tmp_path / "out", **kw)
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_records_are_fine_but_not_an_empty_corpus(tmp_path):
+    empty = write(tmp_path / "e.jsonl", "")
+    blank = write_format(tmp_path / "z.parquet", [])
+    none = write_format(tmp_path / "n.jsonl", ["", ""])
+    good = write_format(tmp_path / "g.jsonl.gz", ["some text"])
+    prepare([empty, blank, none, good], "gpt2", tmp_path / "out", val_fraction=0.0)
+    assert all_tokens(tmp_path / "out") == GPT2.encode("some text")
+    for tok in ("gpt2", "char"):
+        with pytest.raises(UserError, match="empty"):
+            prepare([empty, blank, none], tok, tmp_path / "bad")
+        assert not (tmp_path / "bad").exists()
+
+
+def test_huge_record_is_cut_into_pieces(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CHUNK_BYTES", 500)
+    text = SHAKESPEARE[:6000] + MULTIBYTE * 20
+    src = write_format(tmp_path / "h.jsonl", [text, "short"])
+    pieces = list(data.iter_corpus(data._sources([src]), data.Reading(), cut=10**9, eot=True))
+    assert len(pieces) > 10 and all(n <= 500 for _, n, _ in pieces)
+    assert "".join(t for _, _, t in pieces if t) == text + "short" and pieces[-2][2] is None
+    prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0)
+    assert GPT2.decode(all_tokens(tmp_path / "out")) == text + "<|endoftext|>short"
+
+
+def test_cache_key_covers_text_field(tmp_path):
+    src = write_format(tmp_path / "in" / "a.jsonl", ["alpha"], field="body")
+    write_format(tmp_path / "in" / "b.jsonl", ["beta"], field="text")
+    d1 = ensure_prepared([src], "char", tmp_path / "cache", text_field="body")
+    assert ensure_prepared([src], "char", tmp_path / "cache", text_field="body") == d1
+    assert ensure_prepared([tmp_path / "in" / "b.jsonl"], "char", tmp_path / "cache") != d1
+    key = {"val_fraction": 0.1, "include": "*", "errors": "strict"}
+    assert data.cache_key([src], "char", text_field="body", **key) != \
+        data.cache_key([src], "char", text_field="text", **key)
