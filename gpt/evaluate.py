@@ -52,7 +52,7 @@ def score_tokens(model, ids: np.ndarray, batch_size: int = 8) -> tuple[float, in
 def evaluate_text(out_dir: str, paths: Sequence[str], dtype: str = "auto", errors: str = "strict",
                   include: str = "*.txt") -> dict[str, float]:
     from gpt.checkpoint import load_model
-    from gpt.data import iter_file_pieces, resolve_inputs
+    from gpt.corpus import iter_file_pieces, resolve_inputs
 
     files = resolve_inputs(paths, include)
     model, meta, tok = load_model(out_dir, dtype)

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gpt.data as data
-from gpt.data import (_PRINTABLE, FORMAT_VERSION, Batches, _char_boundary, check_split_sizes,
-                      ensure_prepared, find_cut, iter_file_pieces, load_meta, prepare, resolve_inputs,
-                      token_dtype)
+import gpt.corpus as corpus
+from gpt.corpus import _PRINTABLE, _char_boundary, find_cut, iter_file_pieces, resolve_inputs
+from gpt.data import FORMAT_VERSION, Batches, check_split_sizes, ensure_prepared, load_meta, prepare, token_dtype
 from gpt.errors import UserError
 from helpers import make_hf_tokenizer
 from gpt.tokenizer import TiktokenTokenizer, build_tokenizer, load_tokenizer
@@ -66,7 +66,7 @@ def test_char_matches_nanogpt_split(char_dir):
 
 @pytest.mark.parametrize("chunk", [3000, 1 << 20])
 def test_gpt2_streaming_is_exact(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(data, "CHUNK_BYTES", chunk)  # many small pieces: cuts must not change tokens
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", chunk)  # many small pieces: cuts must not change tokens
     text = SHAKESPEARE[:60_000] + "\n\nnon-ASCII: héllo 你好 🎉\n" * 50
     src = write(tmp_path / "a.txt", text)
     meta = prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0, workers=2)
@@ -75,7 +75,7 @@ def test_gpt2_streaming_is_exact(tmp_path, monkeypatch, chunk):
 
 
 def test_streaming_is_exact_with_crlf(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "CHUNK_BYTES", 2000)
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 2000)
     text = SHAKESPEARE[:30_000].replace("\n", "\r\n")
     src = write(tmp_path / "a.txt", text.encode())
     prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0)
@@ -165,7 +165,7 @@ def test_pieces_never_split_a_character(tmp_path):
 @pytest.mark.parametrize("tokenizer", ["char", "gpt2", "hf"])
 def test_multibyte_corpus_prepares_with_tiny_pieces(tmp_path, monkeypatch, tokenizer):
     """Every tokenizer, pieces of a few bytes, several split points: nothing is lost or garbled."""
-    monkeypatch.setattr(data, "CHUNK_BYTES", 7)
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 7)
     name = f"hf:{make_hf_tokenizer(tmp_path / 'hf')}" if tokenizer == "hf" else tokenizer
     src = write(tmp_path / "m.txt", MULTIBYTE)
     for frac in (0.1, 0.37, 0.5):
@@ -196,7 +196,7 @@ def test_hf_tokenizer_prepare_documents_and_cache(tmp_path):
 
 
 def test_backends_agree(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "CHUNK_BYTES", 8192)  # several pieces in flight
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 8192)  # several pieces in flight
     src = write(tmp_path / "a.txt", SHAKESPEARE[:60_000])
     outs = {}
     for backend in ["auto", "thread", "process"]:
@@ -463,7 +463,7 @@ def test_record_formats_round_trip(tmp_path, suffix, frac):
 
 
 def test_txt_gz_is_one_document(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "CHUNK_BYTES", 4096)  # several 256-byte gz pieces: still exact
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 4096)  # several 256-byte gz pieces: still exact
     text = SHAKESPEARE[:20_000]
     a = write_format(tmp_path / "a.txt.gz", [text])
     b = write(tmp_path / "b.txt", "plain\n")
@@ -605,10 +605,10 @@ def test_empty_records_are_fine_but_not_an_empty_corpus(tmp_path):
 
 
 def test_huge_record_is_cut_into_pieces(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "CHUNK_BYTES", 500)
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 500)
     text = SHAKESPEARE[:6000] + MULTIBYTE * 20
     src = write_format(tmp_path / "h.jsonl", [text, "short"])
-    pieces = list(data.iter_corpus(data._sources([src]), data.Reading(), cut=10**9, eot=True))
+    pieces = list(corpus.iter_corpus(corpus.make_sources([src]), corpus.Reading(), cut=10**9, eot=True))
     assert len(pieces) > 10 and all(n <= 500 for _, n, _ in pieces)
     assert "".join(t for _, _, t in pieces if t) == text + "short" and pieces[-2][2] is None
     prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0)

@@ -1,0 +1,489 @@
+"""Corpus: the documents of text, gzip, JSONL and Parquet files as a stream of UTF-8 pieces,
+each assigned to the train or validation split (gpt/data.py tokenizes and stores them).
+
+Choices, and why:
+
+- Formats, by suffix (`file_format`): .txt (and any unknown suffix) and .txt.gz are one
+  document each; each line of .jsonl/.jsonl.gz and each row of .parquet is one document, its
+  text at `text_field` (a JSON key, or a dotted path into nested objects; a Parquet column, of
+  which only that one is read, in batches of rows through pyarrow). gzip and JSON use the
+  standard library, streaming. A record that is not JSON, lacks the field or holds no string
+  there is a UserError naming file and line/row, or with `skip_bad_records` is skipped and
+  counted (meta.json's skipped_records). Folders take every supported suffix by default.
+- Split: the corpus is the concatenation of the input files, in order; the last `val_fraction`
+  of its *bytes on disk* is the validation split (nanoGPT's ``data[:int(n*0.9)]``; for the
+  bundled Shakespeare with the char tokenizer this gives nanoGPT's exact 1,003,854 / 111,540
+  tokens). In .txt files the cut is exact, moved back to the nearest character boundary.
+  Compressed and record files do not tell their text size before they are read, so there a
+  piece or record is val once the file's on-disk position (compressed bytes read, a line's end,
+  rows read as a share of the file) passes the cut: records go to val whole, and the split is
+  an estimate (see `_source_pieces`). Cutting by bytes lets us decide the split before
+  tokenizing, so everything streams in one pass. The split byte counts in meta.json are bytes of
+  UTF-8 text (what bits per byte divide by); the source sizes are on disk.
+- Documents: files and records are documents; where the tokenizer has an end-of-text token it is
+  written *between* non-empty documents (not after the last), in the split where the next one
+  starts.
+- Streaming: files are read in ~1 MiB pieces (64 KiB for .txt.gz, which bounds how far its
+  split can miss; a record is a piece of its own, cut the same way if over 1 MiB) and never
+  held whole in memory. A piece ends where
+  tokenization cannot see the difference: before a whitespace character that follows a printable
+  ASCII character ("word|\\n", "word| next"), where GPT-2's pre-tokenizer regex always ends a
+  piece, so the tokens equal encoding each file in one call (tested). Only a 256 KiB stretch
+  without any ASCII word boundary (e.g. unspaced CJK) is cut at a character boundary instead,
+  which may change a token or two at that cut. Char tokenizers are exact anywhere. Hugging Face
+  tokenizers (hf:PATH) have their own pre-tokenizers (Llama 3's joins punctuation with the newline
+  after it; SentencePiece's adds a word marker at the start of each call), so for them a piece
+  boundary may change a token or two: once per MiB of text.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+from gpt.errors import UserError
+
+CHUNK_BYTES = 1 << 20  # bytes read per piece; big enough to amortise overhead, small for memory
+# Folder search default: every supported format (see `file_format`).
+DEFAULT_INCLUDE = ("*.txt", "*.txt.gz", "*.jsonl", "*.jsonl.gz", "*.parquet")
+Include = Union[str, Sequence[str]]
+_PRINTABLE = frozenset(range(0x21, 0x7F))  # ASCII characters that are neither space nor control
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+def include_patterns(include: Include) -> tuple[str, ...]:
+    """`include` as a tuple of patterns: one pattern, comma-separated patterns, or a list."""
+    items = include.split(",") if isinstance(include, str) else list(include)
+    patterns = tuple(x.strip() for x in items if x.strip())
+    if not patterns:
+        raise UserError(f"--include {include!r} names no pattern; pass e.g. --include '*.txt,*.jsonl'")
+    return patterns
+
+
+def resolve_inputs(inputs: Sequence[str | os.PathLike], include: Include = DEFAULT_INCLUDE) -> list[Path]:
+    """Expand files, folders and glob patterns to a deterministic list of files.
+
+    Inputs keep the order given; a folder contributes its files matching any `include` pattern
+    (searched recursively, hidden files and folders skipped) in sorted order; a glob pattern its
+    matches in sorted order. Duplicates are dropped. Files named explicitly are taken whatever
+    their suffix (an unknown suffix is read as plain text).
+    """
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    if not inputs:
+        raise UserError("no inputs given; pass text files, folders or glob patterns with --input")
+    files: list[Path] = []
+    for raw in inputs:
+        p = Path(raw)
+        if p.is_file():
+            files.append(p)
+        elif p.is_dir():
+            found = _folder_files(p, include)
+            if not found:
+                raise UserError(f"folder {str(p)!r} has no files matching --include "
+                                f"{','.join(include_patterns(include))!r}; "
+                                f"pass another --include pattern or other inputs")
+            files.extend(found)
+        elif glob.has_magic(str(raw)):
+            matches = sorted(glob.glob(str(raw), recursive=True))
+            found = []
+            for m in map(Path, matches):
+                if m.is_file():
+                    found.append(m)
+                elif m.is_dir():
+                    found.extend(_folder_files(m, include))
+            if not found:
+                raise UserError(f"no files match the pattern {str(raw)!r}; check the path")
+            files.extend(found)
+        elif p.exists():
+            raise UserError(f"input {str(p)!r} is not a regular file or folder; pass text files or folders")
+        else:
+            raise UserError(f"input {str(p)!r} does not exist; check the path")
+    seen: set[Path] = set()
+    unique = []
+    for f in files:
+        key = f.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    return unique
+
+
+def _folder_files(folder: Path, include: Include) -> list[Path]:
+    """Files under `folder` matching any `include` pattern, sorted; hidden files and folders are
+    skipped (.git, editor backups, and prepare's own staging dirs)."""
+    found = {f for pattern in include_patterns(include) for f in folder.rglob(pattern)}
+    return sorted(f for f in found
+                  if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+
+
+def file_format(path: Path) -> str:
+    """How a file is read, by suffix: "parquet" | "jsonl" | "jsonl.gz" | "txt.gz" | "txt".
+
+    Any other ``.gz`` is gzipped text; any other suffix is plain text, so an explicit
+    ``--include '*.md'`` or a file named on the command line reads as it always did."""
+    name = path.name.lower()
+    for suffix in ("parquet", "jsonl.gz", "jsonl"):
+        if name.endswith("." + suffix):
+            return suffix
+    return "txt.gz" if name.endswith(".gz") else "txt"
+
+
+def _char_boundary(buf: bytes, n: int) -> int:
+    """Move cut position n back (at most 3 bytes) so that buf[:n] does not end inside a UTF-8
+    sequence, whether or not the rest of the sequence is in `buf` yet (n may be len(buf))."""
+    lead = n - 1
+    while lead > 0 and n - lead < 4 and (buf[lead] & 0xC0) == 0x80:  # continuation bytes
+        lead -= 1
+    if lead < 0:
+        return n
+    b = buf[lead]
+    length = 1 if b < 0x80 else 2 if 0xC0 <= b < 0xE0 else 3 if 0xE0 <= b < 0xF0 else \
+        4 if 0xF0 <= b < 0xF8 else 1  # an invalid lead byte: leave it to the decoder
+    return lead if lead + length > n else n
+
+
+def find_cut(buf: bytes) -> int:
+    """Where to end a piece of `buf` so that tokenizing the pieces separately changes nothing.
+
+    Preferred: just before an ASCII whitespace character (newline, CR, space, tab) that follows a
+    printable non-space ASCII character, as in "word|\n" or "word| next". GPT-2's pre-tokenizer
+    regex always ends a piece at such a place, and what it does after it does not depend on the
+    text before it (no look-behind), so BPE pieces, and hence tokens, are identical; this holds
+    for CRLF line ends too. Searched in the last quarter of the buffer so pieces stay large.
+    Fallback, for a quarter-MiB without any such place: the last character boundary (inexact).
+    """
+    lo = len(buf) - len(buf) // 4
+    for sep in (b"\n", b" ", b"\r", b"\t"):
+        pos = buf.rfind(sep, max(lo, 1))
+        for _ in range(64):  # a few tries per separator; "x\n" is found at once in normal text
+            if pos <= 0:
+                break
+            if buf[pos - 1] in _PRINTABLE:
+                return pos
+            pos = buf.rfind(sep, max(lo, 1), pos)
+    return _char_boundary(buf, len(buf))
+
+
+def iter_file_pieces(path: Path, errors: str, cut: int | None = None, hasher=None,
+                     chunk_bytes: int | None = None) -> Iterator[tuple[int, int, str]]:
+    """Yield (start, end, text) for consecutive byte ranges of a file, decoded as UTF-8.
+
+    If `cut` is given, a piece boundary falls at that byte offset (moved back to a character
+    boundary), so the caller can assign pieces to the train/val split. NUL bytes ("binary") and,
+    with errors="strict", invalid UTF-8 are user errors naming the file and byte offset.
+    """
+    with open(path, "rb") as f:
+        yield from _iter_stream_pieces(f, path, errors, cut, hasher, chunk_bytes)
+
+
+def _iter_stream_pieces(f, path: Path, errors: str, cut: int | None, hasher,
+                        chunk_bytes: int | None) -> Iterator[tuple[int, int, str]]:
+    """`iter_file_pieces` over an open binary stream (a file, or a gzip reader's output)."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    carry, offset = b"", 0
+    while True:
+        want = chunk_bytes
+        if cut is not None and offset + len(carry) < cut:
+            want = min(want, cut - offset - len(carry))
+        block = f.read(want)
+        if hasher is not None:
+            hasher.update(block)
+        buf = carry + block
+        if not buf:
+            return
+        nul = block.find(b"\x00")
+        if nul >= 0:
+            at = offset + len(carry) + nul
+            raise UserError(f"{str(path)!r} looks binary (NUL byte at offset {at}); pass only text "
+                            f"files (use --include to filter folders)")
+        if not block:
+            n = len(buf)
+        elif cut is not None and offset + len(buf) == cut:
+            n = _char_boundary(buf, len(buf))
+        else:
+            n = find_cut(buf)
+        piece, carry = buf[:n], buf[n:]
+        try:
+            text = piece.decode("utf-8", errors=errors)
+        except UnicodeDecodeError as e:
+            raise UserError(f"{str(path)!r} is not valid UTF-8 (byte 0x{piece[e.start]:02x} at offset "
+                            f"{offset + e.start}); convert it to UTF-8 or pass --errors=replace to "
+                            f"substitute U+FFFD for bad bytes") from None
+        if text:
+            yield offset, offset + n, text
+        offset += n
+
+
+@dataclass
+class Source:
+    path: Path
+    size: int  # on disk (compressed, for .gz and .parquet): what the train/val split is cut by
+
+
+def make_sources(files: list[Path]) -> list[Source]:
+    return [Source(f, f.stat().st_size) for f in files]
+
+
+def val_cut(total_bytes: int, val_fraction: float) -> int:
+    """Byte offset in the concatenated corpus where the validation split begins."""
+    return int(total_bytes * (1.0 - val_fraction))
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How inputs are read: invalid UTF-8 (`errors`), the text of a record (`text_field`, a JSON
+    key or dotted path, or a Parquet column), and whether a bad record is skipped or an error."""
+    errors: str = "strict"
+    text_field: str = "text"
+    skip_bad_records: bool = False
+
+
+# A file's pieces: (split, n_bytes, text, starts_a_document); text is never empty.
+Pieces = Iterator[tuple[str, int, str, bool]]
+
+
+def iter_corpus(sources: list[Source], reading: Reading | str, cut: int, eot: bool = False,
+                hashers: list | None = None,
+                stats: dict | None = None) -> Iterator[tuple[str, int, str | None]]:
+    """Yield (split, n_bytes, text) over the whole corpus; text None marks an end-of-text token
+    between two non-empty documents (only if `eot`). A .txt file is one document, cut exactly at
+    byte `cut` of the concatenated files; records (JSONL lines, Parquet rows) are one document
+    each and go to val whole, once the file's on-disk position passes `cut` (see
+    `_source_pieces`). `stats["skipped"]` counts the bad records skipped."""
+    reading = Reading(errors=reading) if isinstance(reading, str) else reading
+    stats = {"skipped": 0} if stats is None else stats
+    start = 0  # offset of the current file in the concatenated corpus
+    any_before = False
+    for i, src in enumerate(sources):
+        hasher = hashers[i] if hashers else None
+        for split, n, text, new_doc in _source_pieces(src, start, cut, reading, hasher, stats):
+            if new_doc and any_before and eot:
+                yield split, 0, None
+            any_before = True
+            yield split, n, text
+        start += src.size
+
+
+def _source_pieces(src: Source, start: int, cut: int, reading: Reading, hasher, stats: dict) -> Pieces:
+    """One file's pieces, by format. Plain text is split exactly at the cut; for compressed and
+    record files the text size is not known before reading, so the split follows the on-disk
+    position instead: a JSONL line's end; for .gz the compressed bytes read so far (ahead of the
+    text returned by at most one 8 KiB read plus the reader's buffer, ~128 KiB of text); for
+    Parquet the share of rows read times the file size. So the split is an estimate, off by at
+    most about that much (a small .gz file falls wholly on one side)."""
+    fmt = file_format(src.path)
+    if fmt == "txt":
+        local_cut = cut - start if start < cut < start + src.size else None
+        first = True
+        for s, e, text in iter_file_pieces(src.path, reading.errors, local_cut, hasher):
+            yield ("train" if start + e <= cut else "val"), e - s, text, first
+            first = False
+        return
+    if fmt == "txt.gz":
+        yield from _gzip_text_pieces(src.path, start, cut, reading.errors, hasher)
+        return
+    records = _parquet_records(src.path, reading, hasher) if fmt == "parquet" else \
+        _jsonl_records(src.path, fmt.endswith(".gz"), reading, hasher)
+    yield from _record_pieces(src.path, records, start, cut, reading, stats)
+
+
+GZIP_READ_BYTES = 8192  # compressed bytes per raw read: the gzip reader's position stays this exact
+
+
+class _Tracked(io.RawIOBase):
+    """A raw binary reader that counts the bytes read from the file (its on-disk position, for
+    the split) and feeds them to the source hasher, so a compressed file is hashed and read in
+    one pass. Reads are capped at GZIP_READ_BYTES (short reads are legal for raw files), so the
+    gzip reader cannot run far ahead of the text it has returned."""
+
+    def __init__(self, f, hasher):
+        self.f, self.hasher, self.pos = f, hasher, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = self.f.readinto(memoryview(b)[:GZIP_READ_BYTES]) or 0
+        if n and self.hasher is not None:
+            self.hasher.update(memoryview(b)[:n])
+        self.pos += n
+        return n
+
+
+@contextmanager
+def _gzip_errors(path: Path):
+    """A broken .gz file as one UserError (gzip raises BadGzipFile, EOFError or zlib.error)."""
+    try:
+        yield
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise UserError(f"{str(path)!r} is not a valid gzip file, or is truncated or corrupt ({e}); "
+                        f"re-download or re-compress it, or leave it out") from None
+
+
+def _gzip_text_pieces(path: Path, start: int, cut: int, errors: str, hasher) -> Pieces:
+    """A .txt.gz file: one document, decompressed as it streams; a piece is train while the
+    compressed bytes read so far end at or before the cut. Pieces are 1/16 of the usual size
+    (64 KiB of text), which bounds how far past the cut the split can fall."""
+    with open(path, "rb") as raw, _gzip_errors(path):
+        tracked = _Tracked(raw, hasher)
+        with gzip.GzipFile(fileobj=tracked, mode="rb") as gz:
+            first = True
+            for s, e, text in _iter_stream_pieces(gz, path, errors, None, None, max(CHUNK_BYTES // 16, 4)):
+                yield ("train" if start + tracked.pos <= cut else "val"), e - s, text, first
+                first = False
+
+
+# A record: (on-disk position after it, "line 3" or "row 3", its text, or None and what is wrong).
+Records = Iterator[tuple[int, str, str | None, str | None]]
+
+
+def _record_pieces(path: Path, records: Records, start: int, cut: int, reading: Reading,
+                   stats: dict) -> Pieces:
+    """Records as pieces: each record is a document, wholly train or wholly val; a bad record is
+    a UserError naming the file and line/row, or (skip_bad_records) skipped and counted."""
+    for pos, where, text, problem in records:
+        if text is not None:
+            text, problem = _clean_text(text, reading.errors)
+        if problem is not None:
+            if not reading.skip_bad_records:
+                raise UserError(f"{str(path)!r} {where} {problem}; fix the file, or pass --skip_bad_records "
+                                f"to skip such records")
+            stats["skipped"] = stats.get("skipped", 0) + 1
+            continue
+        split = "train" if start + pos <= cut else "val"
+        first = True
+        for n, piece in _text_pieces(text):
+            yield split, n, piece, first
+            first = False
+
+
+def _clean_text(text: str, errors: str) -> tuple[str, str | None]:
+    """JSON may hold unpaired surrogates (\\ud800), which are not UTF-8 and no tokenizer takes:
+    a bad record, or U+FFFD with errors="replace"."""
+    try:
+        text.encode("utf-8")
+        return text, None
+    except UnicodeEncodeError:
+        if errors == "replace":
+            return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), None
+        return text, "holds an unpaired surrogate (not UTF-8; pass --errors=replace to substitute U+FFFD)"
+
+
+def _text_pieces(text: str) -> Iterator[tuple[int, str]]:
+    """(n_bytes, piece) for one record's text: whole if it fits a piece (the usual case), else
+    cut where `find_cut` would cut a file, so a huge record still travels in bounded pieces."""
+    raw = text.encode("utf-8")
+    if len(raw) <= CHUNK_BYTES:
+        if raw:
+            yield len(raw), text
+        return
+    size, pos = max(CHUNK_BYTES, 4), 0  # a window of >= 4 bytes always holds a whole character
+    while pos < len(raw):
+        window = raw[pos:pos + size]
+        n = len(window) if pos + len(window) == len(raw) else find_cut(window)
+        yield n, window[:n].decode("utf-8")
+        pos += n
+
+
+def _field(obj, field: str) -> tuple[str | None, str | None]:
+    """The record's text at `field` (a key, or a dotted path into nested objects): (text, None),
+    or (None, what is wrong)."""
+    if not isinstance(obj, dict):
+        return None, f"is a JSON {type(obj).__name__}, not an object with a {field!r} field"
+    value = obj
+    if field in obj:
+        value = obj[field]
+    else:
+        for part in field.split("."):
+            if not isinstance(value, dict) or part not in value:
+                keys = ", ".join(map(str, obj)) or "none"
+                return None, f"has no field {field!r} (top-level keys: {keys}; pass --text_field=NAME)"
+            value = value[part]
+    if not isinstance(value, str):
+        return None, f"has {_kind(value)} in field {field!r}, not a string"
+    return value, None
+
+
+def _kind(value) -> str:
+    """A JSON-ish name for a value's type, for error messages."""
+    names = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher) -> Records:
+    """A JSON-lines file (optionally gzipped), streamed line by line; blank lines are ignored.
+    The position is the line's end, or for .gz the compressed bytes read so far."""
+    with open(path, "rb") as raw, _gzip_errors(path):
+        tracked = _Tracked(raw, hasher)
+        f = gzip.GzipFile(fileobj=tracked, mode="rb") if gzipped else io.BufferedReader(tracked, CHUNK_BYTES)
+        with f:
+            offset = 0
+            for lineno, line in enumerate(f, 1):
+                offset += len(line)
+                if not line.strip():
+                    continue
+                pos = tracked.pos if gzipped else offset
+                try:
+                    obj = json.loads(line.decode("utf-8", reading.errors))
+                except UnicodeDecodeError:
+                    yield pos, f"line {lineno}", None, ("is not valid UTF-8 (pass --errors=replace to "
+                                                        "substitute U+FFFD)")
+                    continue
+                except json.JSONDecodeError as e:
+                    yield pos, f"line {lineno}", None, f"is not valid JSON ({e.msg} at column {e.colno})"
+                    continue
+                text, problem = _field(obj, reading.text_field)
+                yield pos, f"line {lineno}", text, problem
+
+
+def _parquet_records(path: Path, reading: Reading, hasher) -> Records:
+    """A Parquet file's `text_field` column, streamed in batches of rows (only that column is
+    read). The position is the share of rows read times the file size."""
+    pq, arrow_error = _pyarrow()
+    field, size = reading.text_field, path.stat().st_size
+    try:
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        if field not in names:
+            raise UserError(f"{str(path)!r} has no column {field!r} (columns: {', '.join(names) or 'none'}); "
+                            f"pass --text_field=NAME with the column that holds the text")
+        total, row = max(pf.metadata.num_rows, 1), 0
+        for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                ok = isinstance(value, str)
+                yield (size * row // total, f"row {row}", value if ok else None,
+                       None if ok else f"has {_kind(value)} in column {field!r}, not a string")
+    except arrow_error as e:
+        raise UserError(f"{str(path)!r} is not a readable Parquet file ({e}); check that it is Parquet "
+                        f"and complete, or leave it out") from None
+    if hasher is not None:
+        _hash_file(path, hasher)
+
+
+def _pyarrow():
+    """pyarrow.parquet and the base of its exceptions, imported only when a .parquet is read."""
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError("reading .parquet files needs pyarrow; pip install pyarrow "
+                        "(it is in requirements.txt)") from None
+    return pq, pyarrow.ArrowException
+
+
+def _hash_file(path: Path, hasher) -> None:
+    """Feed a whole file to `hasher` (Parquet is read by pyarrow, out of order)."""
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
+            hasher.update(block)
