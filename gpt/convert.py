@@ -190,7 +190,12 @@ def _open_weights(d: Path) -> dict[str, Any]:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
             raise UserError(f"{d / INDEX_FILE} has no weight_map (not a safetensors index)")
-        files = [d / f for f in sorted(set(weight_map.values()))]
+        names = set(weight_map.values())
+        bad = sorted(str(n) for n in names if not isinstance(n, str) or Path(n).name != n or n in ("", ".", ".."))
+        if bad:
+            raise UserError(f"{d / INDEX_FILE} names shard files outside its directory ({bad[0]!r}); "
+                            f"only plain file names beside it are read, fix the index")
+        files = [d / f for f in sorted(names)]
         for f in files:
             if not f.is_file():
                 raise UserError(f"{f} (named in {INDEX_FILE}) is missing; download it too")

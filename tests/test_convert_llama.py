@@ -170,3 +170,21 @@ def test_hf_tokenizer_bad_input_writes_nothing(tmp_path):
     with pytest.raises(UserError, match="not a readable"):
         convert.from_hf_to_checkpoint(src, tmp_path / "out", overwrite=True)
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*")) == before
+
+
+def test_sharded_safetensors_are_read_and_stay_inside(tmp_path):
+    """A model saved in shards (model.safetensors.index.json) converts with the same logits; an
+    index naming a file outside its directory is refused."""
+    model = make_hf(tmp_path / "one", "qwen3", seed=3)
+    model.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="20KB")
+    index = tmp_path / "sharded" / "model.safetensors.index.json"
+    assert index.is_file() and len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    idx = np.random.default_rng(1).integers(0, V, (1, 16))
+    cfg, params = convert.load_hf(tmp_path / "sharded")
+    assert float(np.abs(our_logits(cfg, params, idx) - torch_logits(model, idx)).max()) < TOL
+    spec = json.loads(index.read_text())
+    first = next(iter(spec["weight_map"]))
+    spec["weight_map"][first] = "../one/model.safetensors"
+    index.write_text(json.dumps(spec))
+    with pytest.raises(UserError, match="outside its directory"):
+        convert.load_hf(tmp_path / "sharded")
