@@ -306,4 +306,8 @@ def load_model(out_dir: str | Path, dtype: str = "auto", step: int | None = None
     if "tokenizer" not in meta:
         raise UserError(f"the checkpoint in {out_dir} records no tokenizer; re-create it with "
                         f"python -m gpt.convert or python train.py")
-    return nnx.merge(graphdef, params), meta, load_tokenizer(meta["tokenizer"], out_dir)
+    tok = load_tokenizer(meta["tokenizer"], out_dir)
+    if tok.vocab_size > cfg.vocab_size:  # its ids would index past the embedding
+        raise UserError(f"the tokenizer recorded in {out_dir} has {tok.vocab_size} tokens but the model "
+                        f"only {cfg.vocab_size}; the checkpoint's metadata is inconsistent, re-create it")
+    return nnx.merge(graphdef, params), meta, tok

@@ -79,6 +79,13 @@ def w(tmp_path_factory, char_data):
     (root / "hf_bin" / "pytorch_model.bin").write_bytes(b"\x80\x02pickle")
     (root / "text.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
     (root / "tokenizer.json").write_text('{"version": "1.0", "model": ')  # truncated
+    vocab = root / "vocab_mismatch"  # hand-edited metadata: a tokenizer larger than the model
+    shutil.copytree(good, vocab)
+    for s in ckpt.list_steps(vocab):
+        path = ckpt.checkpoint_dir(vocab) / str(s) / "meta" / "metadata"
+        meta = json.loads(path.read_text())
+        meta["tokenizer"]["chars"] += "αβγδε"
+        path.write_text(json.dumps(meta))
     import gzip
     (root / "bad.jsonl").write_text('{"text": "fine"}\n{"text": "cut off\n')  # line 2 is not JSON
     (root / "nocol.parquet").write_bytes(_parquet_bytes({"content": ["a document"]}))
@@ -148,6 +155,8 @@ def cases(w) -> list[Case]:
         Case("sample no checkpoint", [PY, "sample.py", f"--out_dir={root / 'empty'}"], "no checkpoint found",
              root / "empty"),
         Case("sample all damaged", [PY, "sample.py", f"--out_dir={bad}"], "every checkpoint", bad),
+        Case("sample tokenizer larger than model", [PY, "sample.py", f"--out_dir={root / 'vocab_mismatch'}"],
+             "tokens but the model only", root / "vocab_mismatch"),
         Case("sample prompt outside vocab", S + ["--prompt=日本語"], "not in the char tokenizer", good),
         Case("sample top_p 0", S + ["--top_p=0"], "--top_p=0", good),
         Case("sample top_p above 1", S + ["--top_p=1.5"], "--top_p=1.5", good),
@@ -224,7 +233,7 @@ def own_new_dir(case: Case, new: Path) -> Case:
 # A subset that covers every command and both kinds (flag checks, checkpoint/file checks); CI runs it.
 FAST = {"train unknown flag", "train negative lr", "train heads", "train block too big",
         "train mesh axis", "train resume other model", "train scratch over checkpoints",
-        "sample all damaged", "sample prompt outside vocab", "sample top_p above 1",
+        "sample all damaged", "sample tokenizer larger than model", "sample prompt outside vocab", "sample top_p above 1",
         "data not utf-8", "data empty corpus", "data jsonl not json", "data parquet no column",
         "convert pickle only", "convert not gpt2", "evaluate no checkpoint"}
 
