@@ -288,6 +288,42 @@ def remove_all(out_dir: str | Path) -> None:
     shutil.rmtree(checkpoint_dir(out_dir), ignore_errors=True)
 
 
+ASIDE = ".checkpoints.replaced"  # --overwrite's old checkpoints until the new run has saved one
+_OURS = re.compile(r"^\d+(\.damaged)?$")
+
+
+def foreign_entries(out_dir: str | Path) -> list[str]:
+    """Names in out_dir/checkpoints that our runs never write (a directory --overwrite must not
+    replace: it is not a training output of ours)."""
+    d = checkpoint_dir(out_dir)
+    if not d.is_dir():
+        return []
+    return sorted(p.name for p in d.iterdir() if not _OURS.match(p.name) and TMP_MARKER not in p.name)
+
+
+def set_aside(out_dir: str | Path) -> Path | None:
+    """--overwrite: move the old checkpoints aside instead of deleting them; `settle_aside`
+    deletes them once the new run has a checkpoint, or puts them back if it has none. A leftover
+    from a run that died first is put back (or dropped if that run did save)."""
+    out, d = Path(out_dir).absolute(), checkpoint_dir(out_dir)
+    aside = out / ASIDE
+    settle_aside(out, aside)
+    if not d.exists():
+        return None
+    os.replace(d, aside)
+    return aside
+
+
+def settle_aside(out_dir: str | Path, aside: Path | None) -> None:
+    if aside is None or not aside.exists():
+        return
+    if list_steps(out_dir):
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        remove_all(out_dir)
+        os.replace(aside, checkpoint_dir(out_dir))
+
+
 def load_model(out_dir: str | Path, dtype: str = "auto", step: int | None = None):
     """(model, checkpoint meta, tokenizer) from the newest complete checkpoint of `out_dir`."""
     from flax import nnx

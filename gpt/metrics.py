@@ -134,8 +134,10 @@ class MetricsLog:
             kept = [ln for ln in self.path.read_text().splitlines()
                     if (r := _parse_line(ln)) is not None and r.get("step", 0) <= resume_step]
             atomic_write_bytes(self.path, "".join(ln + "\n" for ln in kept).encode())
-        elif resume_step is None and self.path.exists():
-            self.path.unlink()
+        elif resume_step is None:  # a fresh run: no old records or TensorBoard events to mix with
+            self.path.unlink(missing_ok=True)
+            for events in self.out_dir.glob("events.out.tfevents.*"):
+                events.unlink()
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter

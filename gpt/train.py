@@ -213,6 +213,10 @@ def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: se
     elif ckpt.list_steps(out) and not t.overwrite:
         raise UserError(f"{out} already holds checkpoints (steps {ckpt.list_steps(out)}); resume with "
                         f"--init_from=resume, or start over with --overwrite, or pick another --out_dir")
+    elif t.overwrite and ckpt.foreign_entries(out):
+        raise UserError(f"{ckpt.checkpoint_dir(out)} holds files our runs never write "
+                        f"({', '.join(ckpt.foreign_entries(out)[:3])}), so --overwrite will not replace it; "
+                        f"pick another --out_dir")
 
     data_dir = resolve_data(t)
     meta = data_lib.load_meta(data_dir)
@@ -292,18 +296,19 @@ class Run:
     through: metrics_lib.Throughput
 
 
-def prepare_out_dir(t: TrainConfig) -> Path:
-    """Create out_dir (process 0), clear old checkpoints for --overwrite, and hold every process
-    until that is done (no process may look at out_dir before process 0 has set it up)."""
-    out = Path(t.out_dir)
+def prepare_out_dir(t: TrainConfig) -> tuple[Path, Path | None]:
+    """Create out_dir (process 0), move old checkpoints aside for --overwrite (deleted only once
+    this run has saved one: `ckpt.settle_aside`), and hold every process until that is done (no
+    process may look at out_dir before process 0 has set it up)."""
+    out, aside = Path(t.out_dir), None
     if sharding.is_main_process():
         out.mkdir(parents=True, exist_ok=True)
         if t.overwrite and t.init_from != "resume":
-            ckpt.remove_all(out)
+            aside = ckpt.set_aside(out)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("gpt_train_out_dir_ready")
-    return out
+    return out, aside
 
 
 def init_state(s: Setup, model_shape: GPT, tx, mesh) -> tuple[State, dict[str, Any]]:
@@ -470,11 +475,22 @@ def log_and_evaluate(run: Run, state: State, metrics: dict, prog: Progress, at_l
 
 
 def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]:
-    """The loop: step, then log / evaluate / save where due; a signal saves and stops."""
+    """Run training in out_dir; --overwrite's old checkpoints are dropped only if this run saved."""
     t = s.train_cfg
     mesh = sharding.make_mesh(t.mesh)  # the mesh is validated before anything touches out_dir
     sharding.check_divisibility(s.model_cfg, mesh, t.batch_size)
-    run, state = build_run(s, mesh, prepare_out_dir(t), log)
+    out, aside = prepare_out_dir(t)
+    try:
+        return _run(s, mesh, out, log)
+    finally:  # the old checkpoints go only once this run has one: else they come back
+        if sharding.is_main_process():
+            ckpt.settle_aside(out, aside)
+
+
+def _run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    """The loop: step, then log / evaluate / save where due; a signal saves and stops."""
+    t = s.train_cfg
+    run, state = build_run(s, mesh, out, log)
     tokens_per_step = t.gradient_accumulation_steps * t.batch_size * s.model_cfg.block_size
     ckpt_interval = t.ckpt_interval or t.eval_interval
     summary: dict[str, Any] = {"start_step": state.step, "train_losses": []}

@@ -203,3 +203,33 @@ def test_llama_tiny_preset_trains_and_samples(tmp_path, char_data, capsys):
     assert sample.main([f"--out_dir={out}", "--prompt=ROMEO:", "--max_new_tokens=80", "--seed=1"]) == 0
     cap = capsys.readouterr()
     assert cap.out.startswith("ROMEO:") and len(cap.out) > 60 and "rolling KV cache" in cap.err
+
+
+def test_overwrite_replaces_old_checkpoints_only_after_saving(tmp_path, char_data, monkeypatch):
+    """--overwrite moves the old run aside: a start-up failure puts it back, a run that dies before
+    its first save leaves it to be put back next time, and a run that saves drops it. A fresh run
+    starts new TensorBoard event files; a checkpoints/ that is not ours is never replaced."""
+    from gpt import checkpoint as ckpt
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=4", "--eval_interval=2")
+    old = ckpt.list_steps(out)
+    events = sorted(out.glob("events.out.tfevents.*"))
+
+    def boom(*a, **k):
+        raise UserError("start-up failed")
+    monkeypatch.setattr(T, "build_run", boom)
+    with pytest.raises(UserError, match="start-up failed"):
+        run(out, char_data, "--max_iters=3", "--eval_interval=3", "--overwrite")
+    assert ckpt.list_steps(out) == old and not (out / ckpt.ASIDE).exists()
+    monkeypatch.undo()
+
+    (out / "checkpoints").rename(out / ckpt.ASIDE)  # as if an --overwrite run died before saving
+    (out / "checkpoints").mkdir()
+    run(out, char_data, "--max_iters=3", "--eval_interval=3", "--overwrite")
+    assert ckpt.list_steps(out) == [3] and not (out / ckpt.ASIDE).exists()
+    assert not set(events) & set(out.glob("events.out.tfevents.*"))
+
+    (out / "checkpoints" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="holds files our runs never write .*notes.txt"):
+        run(out, char_data, "--overwrite")
+    assert (out / "checkpoints" / "notes.txt").exists() and ckpt.list_steps(out) == [3]
