@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import re
 import sys
 from typing import Callable, Sequence
 
@@ -48,7 +49,22 @@ def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | 
             raise
         where = f" while writing {e.filename}" if e.filename else ""
         fail(f"{e.strerror}{where}; free space on that disk or choose another output directory")
+    except Exception as e:  # noqa: BLE001 - only device memory exhaustion is the user's to fix
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        fail(out_of_memory_message(e))
     sys.exit(code or 0)
+
+
+def out_of_memory_message(e: BaseException) -> str:
+    """One line for XLA's RESOURCE_EXHAUSTED (a model, batch or cache that does not fit a device):
+    how much it tried to allocate, and the flags that make each device hold less."""
+    sizes = [int(n) for n in re.findall(r"(\d+) bytes", str(e))]
+    need = f"it needed {max(sizes) / 2**30:.1f} GiB more on one device" if sizes else "a device ran out"
+    return (f"out of memory: {need} (XLA: {str(e).strip().splitlines()[0][:160]}); training: lower "
+            f"--batch_size (raise --gradient_accumulation_steps to keep the tokens per step), "
+            f"--remat=block, shard with --mesh=fsdp:N, --dtype=bfloat16, or a smaller model; "
+            f"sampling: lower --num_samples or --max_new_tokens")
 
 
 class ArgParser(argparse.ArgumentParser):

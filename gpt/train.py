@@ -479,12 +479,15 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
     t = s.train_cfg
     mesh = sharding.make_mesh(t.mesh)  # the mesh is validated before anything touches out_dir
     sharding.check_divisibility(s.model_cfg, mesh, t.batch_size)
+    new_dir = not Path(t.out_dir).exists()
     out, aside = prepare_out_dir(t)
     try:
         return _run(s, mesh, out, log)
     finally:  # the old checkpoints go only once this run has one: else they come back
         if sharding.is_main_process():
             ckpt.settle_aside(out, aside)
+            if new_dir and out.is_dir() and not any(out.iterdir()):
+                out.rmdir()  # a run that failed before writing anything leaves nothing behind
 
 
 def _run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> dict[str, Any]:

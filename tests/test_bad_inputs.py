@@ -139,6 +139,8 @@ def cases(w) -> list[Case]:
              {"GPT_DATA_CACHE": str(root / "cache")}),
         Case("train batch vs devices", T + [f"--out_dir={new}", "--batch_size=3"], "not divisible", new,
              two_devices),
+        Case("train model too big for memory", T + [f"--out_dir={new}", "--n_embd=65536", "--n_head=1",
+                                                     "--block_size=8", "--max_iters=1"], "out of memory", new),
         Case("train mesh size", T + [f"--out_dir={new}", "--mesh=data:3"], "--mesh=data:3", new),
         Case("train mesh axis", T + [f"--out_dir={new}", "--mesh=model:1"], "unknown axis", new),
         # train.py: checkpoints
@@ -233,7 +235,8 @@ def own_new_dir(case: Case, new: Path) -> Case:
 # A subset that covers every command and both kinds (flag checks, checkpoint/file checks); CI runs it.
 FAST = {"train unknown flag", "train negative lr", "train heads", "train block too big",
         "train mesh axis", "train resume other model", "train scratch over checkpoints",
-        "sample all damaged", "sample tokenizer larger than model", "sample prompt outside vocab", "sample top_p above 1",
+        "train model too big for memory", "sample all damaged", "sample tokenizer larger than model",
+        "sample prompt outside vocab", "sample top_p above 1",
         "data not utf-8", "data empty corpus", "data jsonl not json", "data parquet no column",
         "convert pickle only", "convert not gpt2", "evaluate no checkpoint"}
 

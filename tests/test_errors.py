@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpt.errors import ArgParser, UserError
+from gpt.errors import ArgParser, UserError, run_main
 
 
 def test_path_lists_like_train_py():
@@ -19,3 +19,23 @@ def test_mistakes_are_one_user_error_line():
     p.add_paths("--input", required=True)
     with pytest.raises(UserError, match=r"required: --input \(see python -m gpt.x --help\)"):
         p.parse_args([])
+
+
+def test_device_out_of_memory_is_one_line(capsys):
+    """XLA's RESOURCE_EXHAUSTED (here: 4 TiB on the CPU) ends in one line with the size and the
+    flags that make each device hold less; other runtime errors are still bugs (a traceback)."""
+    import jax.numpy as jnp
+
+    def main(argv):
+        jnp.zeros((2**40,), jnp.float32).block_until_ready()
+
+    with pytest.raises(SystemExit) as e:
+        run_main(main, [])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "out of memory: it needed 4096.0 GiB" in err and "--mesh=fsdp:N" in err
+
+    def bug(argv):
+        raise RuntimeError("INTERNAL: something else")
+    with pytest.raises(RuntimeError):
+        run_main(bug, [])
