@@ -208,6 +208,7 @@ def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: se
             raise UserError(ckpt.describe_missing(out))
         _, meta_ck = ckpt.read_meta(out)
         m = _model_for_checkpoint(model_from_dict(meta_ck["config"]["model"]), m, explicit)
+        c, t = _settings_for_resume(meta_ck["config"], c, t, explicit)
         if not t.data_dir and not t.input and meta_ck.get("data_dir"):
             t = dataclasses.replace(t, data_dir=meta_ck["data_dir"])
     elif ckpt.list_steps(out) and not t.overwrite:
@@ -235,6 +236,42 @@ def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: se
                         f"({meta['vocab_size']}); prepare the data with the model's tokenizer")
     data_lib.check_split_sizes(meta, m.block_size)
     return Setup(m, c, t, data_dir, meta, init_params)
+
+
+# What a resumed run may change (where the outputs go, how long it runs, how often it reports,
+# where the data and devices are, the kernels); every other setting comes from the checkpoint.
+RESUME_MAY_CHANGE = {"out_dir", "data_dir", "input", "tokenizer", "text_field", "skip_bad_records",
+                     "init_from", "overwrite", "max_iters", "lr_decay_iters", "eval_interval",
+                     "eval_iters", "log_interval", "ckpt_interval", "keep_checkpoints", "progress",
+                     "mesh", "distributed", "coordinator_address", "num_processes", "process_id",
+                     "dtype", "attention", "remat", "scan_layers"}
+
+
+def _settings_for_resume(saved: dict, c: ComputeConfig, t: TrainConfig,
+                         explicit: set[str]) -> tuple[ComputeConfig, TrainConfig]:
+    """--init_from=resume continues the run as it was: its training and compute settings come
+    from the checkpoint, a flag that contradicts one is an error naming both values, and only
+    RESUME_MAY_CHANGE may differ. Checkpoints from before the settings were saved keep the flags."""
+    from gpt.config import validate_compute, validate_train
+    merged = []
+    for cfg, key in ((c, "compute"), (t, "train")):
+        old = saved.get(key) if isinstance(saved.get(key), dict) else {}
+        updates = {}
+        for f in dataclasses.fields(cfg):
+            if f.name not in old or f.name in RESUME_MAY_CHANGE:
+                continue
+            if f.name in explicit and getattr(cfg, f.name) != old[f.name]:
+                raise UserError(f"--{f.name}={getattr(cfg, f.name)} differs from the run being resumed "
+                                f"({f.name}={old[f.name]!r}); a resumed run keeps its settings: drop the "
+                                f"flag, or start a new run from its weights with --init_from={t.out_dir} "
+                                f"--out_dir=NEW_DIR")
+            updates[f.name] = old[f.name]
+        merged.append(dataclasses.replace(cfg, **updates))
+    try:
+        return validate_compute(merged[0]), validate_train(merged[1])
+    except (TypeError, ValueError) as e:
+        raise UserError(f"the settings saved in {t.out_dir}'s checkpoint are not valid ({e}); "
+                        f"the checkpoint's metadata is damaged") from None
 
 
 def load_init(src: Path, m: ModelConfig, explicit: set[str]) -> tuple[ModelConfig, Any]:

@@ -101,13 +101,30 @@ def test_outputs_and_best_checkpoint_kept(tmp_path, char_data):
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, char_data):
+    """A diverging run stops with one line before saving; the good checkpoints it would have
+    replaced (--overwrite) are back in place."""
     out = tmp_path / "o"
     run(out, char_data, "--max_iters=4", "--eval_interval=2")
     with pytest.raises(UserError, match=r"loss became nan at step \d+"):
-        run(out, char_data, "--init_from=resume", "--max_iters=20", "--learning_rate=1e30",
+        run(out, char_data, "--overwrite", "--max_iters=20", "--eval_interval=10", "--learning_rate=1e30",
             "--min_lr=0", "--grad_clip=0", "--warmup_iters=0")
     steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] == 4
+
+
+def test_resume_keeps_the_runs_settings(tmp_path, char_data):
+    """--init_from=resume takes the training settings from the checkpoint (not the preset's
+    defaults); a contradicting flag names both values; max_iters and the like may change."""
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=2", "--eval_interval=2", "--learning_rate=3e-3", "--dropout=0.1",
+        "--seed=7")
+    m, c, t, explicit = configs(out, char_data, "--init_from=resume", "--max_iters=4", "--eval_interval=4")
+    s = T.prepare_setup(m, c, t, explicit)
+    assert (s.train_cfg.learning_rate, s.train_cfg.seed, s.compute_cfg.dropout) == (3e-3, 7, 0.1)
+    assert s.train_cfg.max_iters == 4
+    with pytest.raises(UserError, match=r"--learning_rate=0.01 differs from the run being resumed "
+                                        r"\(learning_rate=0.003\)"):
+        T.prepare_setup(*configs(out, char_data, "--init_from=resume", "--learning_rate=1e-2"))
 
 
 def test_bad_inputs(tmp_path, char_data):
