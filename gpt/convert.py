@@ -433,17 +433,18 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
         print(f"warning: {hf_dir} has no tokenizer.json (and is not a GPT-2 model with GPT-2's "
               f"vocabulary), so no tokenizer is recorded; sampling from this checkpoint needs one",
               file=sys.stderr)
-    if steps:
-        ckpt.remove_all(out)
+    aside = ckpt.set_aside(out) if steps else None  # --overwrite: deleted only once the new one is saved
+    try:
+        c = ckpt.Checkpointer(out, keep=1, async_save=False)
+        # Orbax refuses an empty pytree, so the (absent) optimizer state is a one-element placeholder;
+        # restoring params only (abstract_opt_state=None) never reads it.
+        c.save(0, params, {"none": np.zeros((), np.int32)}, meta, val_loss=None)
+        c.close()
+    finally:
+        ckpt.settle_aside(out, aside)
     if tokenizer is not None and tokenizer[1] is not None:
         from gpt.tokenizer import HF_FILE, atomic_write_bytes
-        out.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(out / HF_FILE, tokenizer[1])
-    c = ckpt.Checkpointer(out, keep=1, async_save=False)
-    # Orbax refuses an empty pytree, so the (absent) optimizer state is a one-element placeholder;
-    # restoring params only (abstract_opt_state=None) never reads it.
-    c.save(0, params, {"none": np.zeros((), np.int32)}, meta, val_loss=None)
-    c.close()
     padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.n_embd
     n = sum(int(np.prod(a.shape)) for a in _leaves(params)) - padding
     return (f"converted {hf_dir} ({n / 1e6:.1f}M params, {cfg.n_layer} layers, n_embd {cfg.n_embd}, "

@@ -153,7 +153,7 @@ def test_converted_dir_samples_with_its_tokenizer(tmp_path, capsys):
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
 
 
-def test_hf_tokenizer_bad_input_writes_nothing(tmp_path):
+def test_hf_tokenizer_bad_input_writes_nothing(tmp_path, monkeypatch):
     src = tmp_path / "hf"
     make_hf(src, "qwen2")
     make_hf_tokenizer(src, vocab_size=V + 40)  # more tokens than the model's 300
@@ -169,6 +169,14 @@ def test_hf_tokenizer_bad_input_writes_nothing(tmp_path):
     before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*"))
     with pytest.raises(UserError, match="not a readable"):
         convert.from_hf_to_checkpoint(src, tmp_path / "out", overwrite=True)
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*")) == before
+    from gpt import checkpoint as ckpt  # a save that fails puts the old conversion back
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ckpt.Checkpointer, "save", full_disk)
+    with pytest.raises(OSError):
+        convert.from_hf_to_checkpoint(good, tmp_path / "out", overwrite=True)
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*")) == before
 
 
