@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# Unspaced CJK, emoji with ZWJ and a flag, combining marks: text whose characters are 2-4 bytes.
+MULTIBYTE = "漢字かなカナ、한국어텍스트🎉👩\u200d👩\u200d👧🇫🇷e\u0301a\u0308Ελληνικά\n" * 3
 
 
 def tiny_model_config(**kw):

@@ -1,0 +1,66 @@
+"""gpt/corpus.py: where pieces are cut (never inside a character, only where GPT-2's tokens cannot
+change), and which files a list of inputs names. Formats end to end, through `prepare`:
+tests/test_data.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import given, settings, strategies as st
+
+from helpers import MULTIBYTE
+from gpt.corpus import _PRINTABLE, _char_boundary, find_cut, iter_file_pieces, resolve_inputs
+from gpt.tokenizer import build_tokenizer
+
+GPT2 = build_tokenizer("gpt2", None, "unused")
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.write_bytes if isinstance(text, bytes) else lambda t: path.write_text(t, encoding="utf-8"))(text)
+    return path
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="aZ1's ll!.,\n\r\t \u00a0\u3000é你🎉-", max_size=40))
+def test_cut_points_do_not_change_tokens(text):
+    """Every place find_cut prefers (whitespace after printable ASCII) is a pre-token boundary."""
+    buf = text.encode()
+    for i in range(1, len(buf)):
+        if buf[i - 1] in _PRINTABLE and buf[i] in b" \t\r\n":
+            a, b = buf[:i].decode(), buf[i:].decode()
+            assert GPT2.encode(a) + GPT2.encode(b) == GPT2.encode(text), (a, b)
+    cut = find_cut(buf)
+    assert 0 <= cut <= len(buf)
+    buf[:cut].decode()  # never splits a character
+
+
+
+
+def test_pieces_never_split_a_character(tmp_path):
+    """Every chunk size and every train/val cut position over unspaced CJK, emoji (ZWJ, flags) and
+    combining marks: the pieces decode strictly and join to the text, with a boundary at the cut
+    moved back to the start of the character it falls in (a real bug: CJK corpora failed)."""
+    raw = MULTIBYTE.encode()
+    f = write(tmp_path / "m.txt", MULTIBYTE)
+    starts = {i for i in range(len(raw) + 1) if i == len(raw) or (raw[i] & 0xC0) != 0x80}
+    for chunk in (1, 2, 3, 5, 16):
+        for cut in range(len(raw) + 1):
+            pieces = list(iter_file_pieces(f, "strict", cut, chunk_bytes=chunk))
+            assert "".join(t for _, _, t in pieces) == MULTIBYTE
+            ends = {e for _, e, _ in pieces}
+            assert max(i for i in starts if i <= cut) in ends | {0}
+            assert all(e in starts for e in ends)
+    assert _char_boundary("€".encode()[:2], 2) == 0 and _char_boundary("a€".encode(), 2) == 1
+
+
+def test_resolve_inputs_order_include_and_glob(tmp_path):
+    for name in ["b/2.txt", "b/1.txt", "a.txt", "b/skip.md", "b/.hidden/x.txt"]:
+        write(tmp_path / name, "x")
+    got = resolve_inputs([tmp_path / "b", tmp_path / "a.txt", tmp_path / "b" / "1.txt"])
+    assert [p.relative_to(tmp_path).as_posix() for p in got] == ["b/1.txt", "b/2.txt", "a.txt"]
+    got = resolve_inputs([str(tmp_path / "b" / "*.md")])
+    assert [p.name for p in got] == ["skip.md"]
+    assert [p.name for p in resolve_inputs([tmp_path / "b"], include="*.md")] == ["skip.md"]
+
+
+# ----- prepare: bad input, atomicity
