@@ -289,7 +289,7 @@ def remove_all(out_dir: str | Path) -> None:
 
 
 ASIDE = ".checkpoints.replaced"  # --overwrite's old checkpoints until the new run has saved one
-_OURS = re.compile(r"^\d+(\.damaged)?$")
+_OURS = re.compile(r"^\d+(\.damaged(\.\d+)?)?$")
 
 
 def foreign_entries(out_dir: str | Path) -> list[str]:
@@ -312,6 +312,15 @@ def set_aside(out_dir: str | Path) -> Path | None:
         return None
     os.replace(d, aside)
     return aside
+
+
+def drop_aside_once_saved(out_dir: str | Path, aside: Path | None) -> Path | None:
+    """During a run (process 0): delete --overwrite's old checkpoints as soon as a new step is
+    complete on disk (an asynchronous save is listed once it has finished); None once gone."""
+    if aside is None or jax.process_index() != 0 or not list_steps(out_dir):
+        return aside
+    shutil.rmtree(aside, ignore_errors=True)
+    return None
 
 
 def settle_aside(out_dir: str | Path, aside: Path | None) -> None:

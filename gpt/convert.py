@@ -190,12 +190,12 @@ def _open_weights(d: Path) -> dict[str, Any]:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
             raise UserError(f"{d / INDEX_FILE} has no weight_map (not a safetensors index)")
-        names = set(weight_map.values())
-        bad = sorted(str(n) for n in names if not isinstance(n, str) or Path(n).name != n or n in ("", ".", ".."))
+        values = list(weight_map.values())
+        bad = [repr(n) for n in values if not isinstance(n, str) or Path(n).name != n or n in ("", ".", "..")]
         if bad:
-            raise UserError(f"{d / INDEX_FILE} names shard files outside its directory ({bad[0]!r}); "
+            raise UserError(f"{d / INDEX_FILE} names shard files outside its directory ({bad[0]}); "
                             f"only plain file names beside it are read, fix the index")
-        files = [d / f for f in sorted(names)]
+        files = [d / f for f in sorted(set(values))]
         for f in files:
             if not f.is_file():
                 raise UserError(f"{f} (named in {INDEX_FILE}) is missing; download it too")
@@ -417,7 +417,11 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
     from gpt import checkpoint as ckpt
 
     out = Path(out_dir)
+    ckpt.settle_aside(out, out.absolute() / ckpt.ASIDE)  # an earlier --overwrite that died first
     steps = ckpt.list_steps(out)
+    if ckpt.foreign_entries(out):
+        raise UserError(f"{ckpt.checkpoint_dir(out)} holds files our conversions never write "
+                        f"({', '.join(ckpt.foreign_entries(out)[:3])}); choose another --out_dir")
     if steps and not overwrite:
         raise UserError(f"{out} already holds checkpoints (steps {steps}); pass --overwrite to replace "
                         f"them or choose another --out_dir")

@@ -50,17 +50,25 @@ def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | 
         where = f" while writing {e.filename}" if e.filename else ""
         fail(f"{e.strerror}{where}; free space on that disk or choose another output directory")
     except Exception as e:  # noqa: BLE001 - only device memory exhaustion is the user's to fix
-        if "RESOURCE_EXHAUSTED" not in str(e):
+        if not is_out_of_memory(e):
             raise
         fail(out_of_memory_message(e))
     sys.exit(code or 0)
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """XLA running out of device memory (not any error that mentions RESOURCE_EXHAUSTED: storage
+    quotas and RPC limits use that status too, and are bugs or other faults)."""
+    runtime_error = type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+    text = str(e)
+    return runtime_error and "RESOURCE_EXHAUSTED" in text and "out of memory" in text.lower()
+
+
 def out_of_memory_message(e: BaseException) -> str:
     """One line for XLA's RESOURCE_EXHAUSTED (a model, batch or cache that does not fit a device):
     how much it tried to allocate, and the flags that make each device hold less."""
-    sizes = [int(n) for n in re.findall(r"(\d+) bytes", str(e))]
-    need = f"it needed {max(sizes) / 2**30:.1f} GiB more on one device" if sizes else "a device ran out"
+    sizes = [int(n) for n in re.findall(r"allocat\w* (\d+) bytes", str(e))]
+    need = f"an allocation of {max(sizes) / 2**30:.1f} GiB failed on one device" if sizes else "a device ran out"
     return (f"out of memory: {need} (XLA: {str(e).strip().splitlines()[0][:160]}); training: lower "
             f"--batch_size (raise --gradient_accumulation_steps to keep the tokens per step), "
             f"--remat=block, shard with --mesh=fsdp:N, --dtype=bfloat16, or a smaller model; "

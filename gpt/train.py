@@ -202,6 +202,10 @@ def find_gpt2_dir() -> Path:
 def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]) -> Setup:
     """Resolve data, vocabulary and the starting point; every user mistake raises UserError here."""
     out = Path(t.out_dir)
+    if t.init_from == "resume" and t.overwrite:
+        raise UserError("--overwrite starts over and --init_from=resume continues: pass one of them")
+    if sharding.is_main_process():  # an --overwrite run that died before saving: old run back
+        ckpt.settle_aside(out, out.absolute() / ckpt.ASIDE)
     if t.init_from == "resume":
         steps = ckpt.list_steps(out)
         if not steps:
@@ -238,38 +242,48 @@ def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: se
     return Setup(m, c, t, data_dir, meta, init_params)
 
 
-# What a resumed run may change (where the outputs go, how long it runs, how often it reports,
-# where the data and devices are, the kernels); every other setting comes from the checkpoint.
-RESUME_MAY_CHANGE = {"out_dir", "data_dir", "input", "tokenizer", "text_field", "skip_bad_records",
-                     "init_from", "overwrite", "max_iters", "lr_decay_iters", "eval_interval",
-                     "eval_iters", "log_interval", "ckpt_interval", "keep_checkpoints", "progress",
-                     "mesh", "distributed", "coordinator_address", "num_processes", "process_id",
-                     "dtype", "attention", "remat", "scan_layers"}
+# What a resumed run may change with a flag (how long it runs, how often it reports, where the
+# data and devices are, the kernels); every other setting must match the checkpoint. Unflagged,
+# all of them come from the checkpoint, except the per-invocation ones.
+RESUME_MAY_CHANGE = {"data_dir", "input", "max_iters", "lr_decay_iters", "eval_interval", "eval_iters",
+                     "log_interval", "ckpt_interval", "keep_checkpoints", "mesh", "dtype", "attention",
+                     "remat", "scan_layers"}
+PER_INVOCATION = {"out_dir", "init_from", "overwrite", "progress", "distributed", "coordinator_address",
+                  "num_processes", "process_id"}
+
+
+def _saved(saved: dict, key: str) -> dict:
+    """The saved settings of one config; checkpoints from before ComputeConfig existed kept the
+    dropout in the model's config."""
+    old = saved.get(key) if isinstance(saved.get(key), dict) else {}
+    if key == "compute" and not old and isinstance(saved.get("model"), dict) and "dropout" in saved["model"]:
+        old = {"dropout": saved["model"]["dropout"]}
+    return old
 
 
 def _settings_for_resume(saved: dict, c: ComputeConfig, t: TrainConfig,
                          explicit: set[str]) -> tuple[ComputeConfig, TrainConfig]:
     """--init_from=resume continues the run as it was: its training and compute settings come
-    from the checkpoint, a flag that contradicts one is an error naming both values, and only
-    RESUME_MAY_CHANGE may differ. Checkpoints from before the settings were saved keep the flags."""
+    from the checkpoint, a flag that contradicts one is an error naming both values unless it is
+    in RESUME_MAY_CHANGE. Checkpoints from before the settings were saved keep the flags."""
     from gpt.config import validate_compute, validate_train
     merged = []
     for cfg, key in ((c, "compute"), (t, "train")):
-        old = saved.get(key) if isinstance(saved.get(key), dict) else {}
-        updates = {}
+        old, updates = _saved(saved, key), {}
         for f in dataclasses.fields(cfg):
-            if f.name not in old or f.name in RESUME_MAY_CHANGE:
+            if f.name not in old or f.name in PER_INVOCATION:
                 continue
-            if f.name in explicit and getattr(cfg, f.name) != old[f.name]:
+            if f.name not in explicit:
+                updates[f.name] = old[f.name]
+            elif getattr(cfg, f.name) != old[f.name] and f.name not in RESUME_MAY_CHANGE:
                 raise UserError(f"--{f.name}={getattr(cfg, f.name)} differs from the run being resumed "
                                 f"({f.name}={old[f.name]!r}); a resumed run keeps its settings: drop the "
                                 f"flag, or start a new run from its weights with --init_from={t.out_dir} "
                                 f"--out_dir=NEW_DIR")
-            updates[f.name] = old[f.name]
         merged.append(dataclasses.replace(cfg, **updates))
     try:
         return validate_compute(merged[0]), validate_train(merged[1])
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, UserError) as e:
         raise UserError(f"the settings saved in {t.out_dir}'s checkpoint are not valid ({e}); "
                         f"the checkpoint's metadata is damaged") from None
 
@@ -519,15 +533,25 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
     new_dir = not Path(t.out_dir).exists()
     out, aside = prepare_out_dir(t)
     try:
-        return _run(s, mesh, out, log)
-    finally:  # the old checkpoints go only once this run has one: else they come back
+        return _run(s, mesh, out, log, aside)
+    finally:  # the old checkpoints go once this run has one: else they come back
         if sharding.is_main_process():
-            ckpt.settle_aside(out, aside)
-            if new_dir and out.is_dir() and not any(out.iterdir()):
-                out.rmdir()  # a run that failed before writing anything leaves nothing behind
+            _clean_up(out, aside, new_dir)
 
 
-def _run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> dict[str, Any]:
+def _clean_up(out: Path, aside: Path | None, new_dir: bool) -> None:
+    """Settle --overwrite's old checkpoints; remove an out_dir this run created and left empty.
+    A failure here is a warning: it must not hide the run's own outcome."""
+    try:
+        ckpt.settle_aside(out, aside)
+        if new_dir and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+    except OSError as e:
+        print(f"warning: could not tidy {out} ({e}); the previous checkpoints, if any, are in "
+              f"{out / ckpt.ASIDE}", file=sys.stderr)
+
+
+def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | None) -> dict[str, Any]:
     """The loop: step, then log / evaluate / save where due; a signal saves and stops."""
     t = s.train_cfg
     run, state = build_run(s, mesh, out, log)
@@ -555,6 +579,7 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> dict[str, Any
                 summary.update(ev or {})
                 if at_ckpt:
                     save(run, state, ev["val_loss"] if ev else None)
+                    aside = ckpt.drop_aside_once_saved(out, aside)  # the space comes back early
             if prog.bar is not None:
                 prog.bar.update(1)
             if stopping:

@@ -139,7 +139,7 @@ def cases(w) -> list[Case]:
              {"GPT_DATA_CACHE": str(root / "cache")}),
         Case("train batch vs devices", T + [f"--out_dir={new}", "--batch_size=3"], "not divisible", new,
              two_devices),
-        Case("train model too big for memory", T + [f"--out_dir={new}", "--n_embd=65536", "--n_head=1",
+        Case("train model too big for memory", T + [f"--out_dir={new}", "--n_embd=1048576", "--n_head=1",
                                                      "--block_size=8", "--max_iters=1"], "out of memory", new),
         Case("train mesh size", T + [f"--out_dir={new}", "--mesh=data:3"], "--mesh=data:3", new),
         Case("train mesh axis", T + [f"--out_dir={new}", "--mesh=model:1"], "unknown axis", new),

@@ -125,6 +125,13 @@ def test_resume_keeps_the_runs_settings(tmp_path, char_data):
     with pytest.raises(UserError, match=r"--learning_rate=0.01 differs from the run being resumed "
                                         r"\(learning_rate=0.003\)"):
         T.prepare_setup(*configs(out, char_data, "--init_from=resume", "--learning_rate=1e-2"))
+    # Unflagged, even what may change comes from the checkpoint (not the preset's defaults).
+    run(tmp_path / "p", char_data, "--max_iters=3", "--lr_decay_iters=50", "--keep_checkpoints=7",
+        "--eval_interval=3")
+    s = T.prepare_setup(*configs(tmp_path / "p", char_data, "--init_from=resume"))
+    assert (s.train_cfg.max_iters, s.train_cfg.lr_decay_iters, s.train_cfg.keep_checkpoints) == (3, 50, 7)
+    with pytest.raises(UserError, match="pass one of them"):
+        T.prepare_setup(*configs(out, char_data, "--init_from=resume", "--overwrite"))
 
 
 def test_bad_inputs(tmp_path, char_data):
@@ -246,6 +253,8 @@ def test_overwrite_replaces_old_checkpoints_only_after_saving(tmp_path, char_dat
     assert ckpt.list_steps(out) == [3] and not (out / ckpt.ASIDE).exists()
     assert not set(events) & set(out.glob("events.out.tfevents.*"))
 
+    (out / "checkpoints" / "2.damaged.1").mkdir()  # what a second fallback past step 2 leaves: ours
+    run(out, char_data, "--max_iters=3", "--eval_interval=3", "--overwrite")
     (out / "checkpoints" / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="holds files our runs never write .*notes.txt"):
         run(out, char_data, "--overwrite")
