@@ -59,16 +59,26 @@ def test_past_block_size_matches_nanogpt_crop():
 
 def rope_window_greedy(model, prompt, n):
     """Greedy tokens where each is predicted from the last block_size tokens at their own positions
-    (counted from the prompt's first token, or from its crop to block_size), recomputed each time."""
+    (counted from the prompt's first token, or from its crop to block_size), recomputed each time
+    by one full forward (a window shorter than block_size is left-padded and masked)."""
     W = model.cfg.block_size
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def next_token(state, window_1W, start_1):
+        m = nnx.merge(graphdef, state)
+        logits, _ = m(window_1W, cache=init_cache(m.cfg, 1, W, jnp.float32, start_1))
+        return jnp.argmax(logits[0, -1])
+
     first = max(0, len(prompt) - W)
     tokens = list(prompt)
     for _ in range(n):
         window = tokens[-W:]
         offset = len(tokens) - len(window) - first  # positions offset .. offset + len(window) - 1
-        cache = init_cache(model.cfg, 1, len(window), jnp.float32, jnp.array([-offset]))
-        logits, _ = model(jnp.array([window], jnp.int32), cache=cache)
-        tokens.append(int(jnp.argmax(logits[0, -1])))
+        pad = W - len(window)  # only while the text is shorter than W, when offset is 0
+        start = pad - offset  # slot of position 0: padding before it is masked
+        tokens.append(int(next_token(state, jnp.array([[0] * pad + window], jnp.int32),
+                                     jnp.array([start], jnp.int32))))
     return tokens[len(prompt):]
 
 
