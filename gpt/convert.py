@@ -37,7 +37,7 @@ import numpy as np
 
 from gpt import convert_llama as llama
 from gpt.config import ModelConfig, to_dict, validate_model
-from gpt.errors import ArgParser, UserError, run_main
+from gpt.errors import ArgParser, UserError, read_json_object, run_main
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -81,13 +81,7 @@ def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _read_hf_config(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path} is not a valid JSON config ({' '.join(str(e).split())})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path} must hold a JSON object (a Hugging Face model config)")
-    return data
+    return read_json_object(path, "a Hugging Face model config")
 
 
 def _int_getter(hf: dict[str, Any], where: str):

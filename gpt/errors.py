@@ -34,6 +34,19 @@ def quiet_library_logs() -> None:
         pass
 
 
+def read_json_object(path, what: str) -> dict:
+    """The JSON object in `path` (metadata or config a user may have edited), or one UserError
+    line naming the file; `what` says what it should be."""
+    import json
+    try:
+        data = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({' '.join(str(e).split())}); it should be {what}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a JSON object ({what})")
+    return data
+
+
 def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | None = None) -> None:
     """Run a command's main; turn UserError into one stderr line and exit status 2."""
     quiet_library_logs()

@@ -34,7 +34,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import tiktoken
 
-from gpt.errors import UserError
+from gpt.errors import UserError, read_json_object
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GPT2_RANKS_FILE = REPO_ROOT / "data" / "gpt2.tiktoken"
@@ -509,15 +509,7 @@ def read_hf_file(path: Path, fix: str, sha256: str | None = None) -> tuple[bytes
 
 def _json_file(path: Path) -> dict:
     """A JSON object from `path`, {} if there is no such file, one UserError line if it is bad."""
-    if not path.is_file():
-        return {}
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {path} ({e}); fix or remove it") from None
-    if not isinstance(d, dict):
-        raise UserError(f"{path} is not a JSON object; fix or remove it")
-    return d
+    return read_json_object(path, "a Hugging Face config beside the tokenizer") if path.is_file() else {}
 
 
 def special_ids(model_dir: Path, hf) -> dict[str, int | None]:
