@@ -84,6 +84,7 @@ class TrainConfig:
     tokenizer: str = "char"  # with --input: gpt2 | char | bpe:N | hf:PATH/tokenizer.json
     text_field: str = "text"  # with --input: JSONL key (dotted: nested) or Parquet column of the text
     skip_bad_records: bool = False  # with --input: skip (and count) records without a string text field
+    align_documents: bool = False  # each training row starts at a document start (packed best-fit)
     init_from: str = "scratch"  # scratch | resume | gpt2 | <checkpoint dir>
     overwrite: bool = False
     seed: int = 1337

@@ -240,6 +240,61 @@ def val_cut(total_bytes: int, val_fraction: float) -> int:
 
 
 @dataclass(frozen=True)
+class SplitRule:
+    """Which split a document goes to. Documents go to val whole: those that end past byte `cut`
+    of the concatenated files on disk (--val_fraction), or with --val_documents=N the last N
+    (`first_val_doc` = their count minus N). A corpus of one text document cannot be split by
+    document, so there the cut falls inside it (`inside_document`: nanoGPT's split)."""
+    cut: int
+    first_val_doc: int | None = None
+    inside_document: bool = False
+
+    def split(self, doc: int, end: int) -> str:
+        """The split of document number `doc` (0-based over the corpus) ending at byte `end`."""
+        if self.first_val_doc is not None:
+            return "val" if doc >= self.first_val_doc else "train"
+        return "val" if end > self.cut else "train"
+
+
+def split_rule(sources: list[Source], reading: Reading, val_fraction: float,
+               val_documents: int | None = None) -> SplitRule:
+    """The rule for this corpus: the last `val_documents` documents, or whole documents past the
+    `val_fraction` byte cut (inside the document if the corpus is one text file)."""
+    cut = val_cut(sum(s.size for s in sources), val_fraction)
+    single = len(sources) == 1 and file_format(sources[0].path) in ("txt", "txt.gz")
+    if val_documents is None:
+        return SplitRule(cut, inside_document=single)
+    n = count_documents(sources, reading)
+    if val_documents >= n:
+        raise UserError(f"--val_documents={val_documents} leaves no training text: the corpus has {n} "
+                        f"document(s) (a text file is one, a JSONL line or Parquet row one); pass fewer, "
+                        f"or use --val_fraction")
+    return SplitRule(cut, first_val_doc=n - val_documents)
+
+
+def count_documents(sources: list[Source], reading: Reading) -> int:
+    """Documents in the corpus, read cheaply: a text file is one, a Parquet file its row count (from
+    the footer), a JSONL file its non-blank lines (a streaming pass; bad lines count too)."""
+    n = 0
+    for src in sources:
+        fmt = file_format(src.path)
+        if fmt == "parquet":
+            pq, arrow_error = _pyarrow()
+            try:
+                n += pq.ParquetFile(src.path).metadata.num_rows
+            except arrow_error as e:
+                raise UserError(f"{str(src.path)!r} is not a readable Parquet file ({e}); check that it is "
+                                f"Parquet and complete, or leave it out") from None
+        elif fmt.startswith("jsonl"):
+            with open(src.path, "rb") as raw, _gzip_errors(src.path):
+                f = gzip.GzipFile(fileobj=raw, mode="rb") if fmt.endswith(".gz") else raw
+                n += sum(1 for line in f if line.strip())
+        else:
+            n += 1
+    return n
+
+
+@dataclass(frozen=True)
 class Reading:
     """How inputs are read: invalid UTF-8 (`errors`), the text of a record (`text_field`, a JSON
     key or dotted path, or a Parquet column), and whether a bad record is skipped or an error."""
@@ -248,53 +303,53 @@ class Reading:
     skip_bad_records: bool = False
 
 
-# A file's pieces: (split, n_bytes, text, starts_a_document); text is never empty.
+# The corpus as pieces: (split, n_bytes, text, starts_a_document); text is never empty.
 Pieces = Iterator[tuple[str, int, str, bool]]
 
 
-def iter_corpus(sources: list[Source], reading: Reading | str, cut: int, eot: bool = False,
-                hashers: list | None = None,
-                stats: dict | None = None) -> Iterator[tuple[str, int, str | None]]:
-    """Yield (split, n_bytes, text) over the whole corpus; text None marks an end-of-text token
-    between two non-empty documents (only if `eot`). A .txt file is one document, cut exactly at
-    byte `cut` of the concatenated files; records (JSONL lines, Parquet rows) are one document
-    each and go to val whole, once the file's on-disk position passes `cut` (see
-    `_source_pieces`). `stats["skipped"]` counts the bad records skipped."""
+def iter_corpus(sources: list[Source], reading: Reading | str, rule: SplitRule | int,
+                hashers: list | None = None, stats: dict | None = None) -> Pieces:
+    """Yield (split, n_bytes, text, starts_a_document) over the whole corpus. A text file is one
+    document, a JSONL line or Parquet row one (see `SplitRule` for the split, `_source_pieces`
+    for how positions are known). `stats["skipped"]` counts the bad records skipped; an int
+    `rule` is a byte cut (`SplitRule(cut)`)."""
     reading = Reading(errors=reading) if isinstance(reading, str) else reading
+    rule = SplitRule(rule) if isinstance(rule, int) else rule
     stats = {"skipped": 0} if stats is None else stats
-    start = 0  # offset of the current file in the concatenated corpus
-    any_before = False
+    start, doc = 0, 0  # offset of the current file in the concatenated corpus; documents before it
     for i, src in enumerate(sources):
         hasher = hashers[i] if hashers else None
-        for split, n, text, new_doc in _source_pieces(src, start, cut, reading, hasher, stats):
-            if new_doc and any_before and eot:
-                yield split, 0, None
-            any_before = True
-            yield split, n, text
+        counter = [doc]
+        yield from _source_pieces(src, start, rule, reading, hasher, stats, counter)
+        doc = counter[0]
         start += src.size
 
 
-def _source_pieces(src: Source, start: int, cut: int, reading: Reading, hasher, stats: dict) -> Pieces:
-    """One file's pieces, by format. Plain text is split exactly at the cut; for compressed and
-    record files the text size is not known before reading, so the split follows the on-disk
-    position instead: a JSONL line's end; for .gz the compressed bytes read so far (ahead of the
-    text returned by at most one 8 KiB read plus the reader's buffer, ~128 KiB of text); for
-    Parquet the share of rows read times the file size. So the split is an estimate, off by at
-    most about that much (a small .gz file falls wholly on one side)."""
+def _source_pieces(src: Source, start: int, rule: SplitRule, reading: Reading, hasher, stats: dict,
+                   doc: list[int]) -> Pieces:
+    """One file's pieces, by format; `doc[0]` counts documents (advanced past this file's).
+    Only a one-document corpus is cut inside its document: exactly at the byte for plain text; for
+    .gz where the compressed bytes read so far pass the cut (ahead of the text returned by at most
+    one 8 KiB read plus the reader's buffer, ~128 KiB of text). Records go to val by their
+    on-disk position: a JSONL line's end, the compressed bytes read for .gz, for Parquet the
+    share of rows read times the file size, so the split is an estimate."""
     fmt = file_format(src.path)
-    if fmt == "txt":
-        local_cut = cut - start if start < cut < start + src.size else None
-        first = True
-        for s, e, text in iter_file_pieces(src.path, reading.errors, local_cut, hasher):
-            yield ("train" if start + e <= cut else "val"), e - s, text, first
-            first = False
-        return
-    if fmt == "txt.gz":
-        yield from _gzip_text_pieces(src.path, start, cut, reading.errors, hasher)
+    if fmt in ("txt", "txt.gz"):
+        whole = None if rule.inside_document else rule.split(doc[0], start + src.size)
+        doc[0] += 1
+        if fmt == "txt":
+            local_cut = rule.cut - start if rule.inside_document and start < rule.cut < start + src.size \
+                else None
+            first = True
+            for s, e, text in iter_file_pieces(src.path, reading.errors, local_cut, hasher):
+                yield whole or ("train" if start + e <= rule.cut else "val"), e - s, text, first
+                first = False
+            return
+        yield from _gzip_text_pieces(src.path, start, rule.cut, reading.errors, hasher, whole)
         return
     records = _parquet_records(src.path, reading, hasher) if fmt == "parquet" else \
         _jsonl_records(src.path, fmt.endswith(".gz"), reading, hasher)
-    yield from _record_pieces(src.path, records, start, cut, reading, stats)
+    yield from _record_pieces(src.path, records, start, rule, reading, stats, doc)
 
 
 GZIP_READ_BYTES = 8192  # compressed bytes per raw read: the gzip reader's position stays this exact
@@ -330,16 +385,17 @@ def _gzip_errors(path: Path):
                         f"re-download or re-compress it, or leave it out") from None
 
 
-def _gzip_text_pieces(path: Path, start: int, cut: int, errors: str, hasher) -> Pieces:
-    """A .txt.gz file: one document, decompressed as it streams; a piece is train while the
-    compressed bytes read so far end at or before the cut. Pieces are 1/16 of the usual size
-    (64 KiB of text), which bounds how far past the cut the split can fall."""
+def _gzip_text_pieces(path: Path, start: int, cut: int, errors: str, hasher, whole: str | None) -> Pieces:
+    """A .txt.gz file: one document, decompressed as it streams, wholly in split `whole`, or if
+    that is None a piece is train while the compressed bytes read so far end at or before the
+    cut. Pieces are 1/16 of the usual size (64 KiB of text), which bounds how far past the cut
+    the split can fall."""
     with open(path, "rb") as raw, _gzip_errors(path):
         tracked = _Tracked(raw, hasher)
         with gzip.GzipFile(fileobj=tracked, mode="rb") as gz:
             first = True
             for s, e, text in _iter_stream_pieces(gz, path, errors, None, None, max(CHUNK_BYTES // 16, 4)):
-                yield ("train" if start + tracked.pos <= cut else "val"), e - s, text, first
+                yield whole or ("train" if start + tracked.pos <= cut else "val"), e - s, text, first
                 first = False
 
 
@@ -347,11 +403,13 @@ def _gzip_text_pieces(path: Path, start: int, cut: int, errors: str, hasher) -> 
 Records = Iterator[tuple[int, str, str | None, str | None]]
 
 
-def _record_pieces(path: Path, records: Records, start: int, cut: int, reading: Reading,
-                   stats: dict) -> Pieces:
+def _record_pieces(path: Path, records: Records, start: int, rule: SplitRule, reading: Reading,
+                   stats: dict, doc: list[int]) -> Pieces:
     """Records as pieces: each record is a document, wholly train or wholly val; a bad record is
-    a UserError naming the file and line/row, or (skip_bad_records) skipped and counted."""
+    a UserError naming the file and line/row, or (skip_bad_records) skipped and counted (it
+    still counts as a document for --val_documents, as `count_documents` counts it)."""
     for pos, where, text, problem in records:
+        doc[0] += 1
         if text is not None:
             text, problem = _clean_text(text, reading.errors)
         if problem is not None:
@@ -360,7 +418,7 @@ def _record_pieces(path: Path, records: Records, start: int, cut: int, reading: 
                                 f"to skip such records")
             stats["skipped"] = stats.get("skipped", 0) + 1
             continue
-        split = "train" if start + pos <= cut else "val"
+        split = rule.split(doc[0] - 1, start + pos)
         first = True
         for n, piece in _text_pieces(text):
             yield split, n, piece, first

@@ -1,50 +1,52 @@
-"""Data: turn text, JSONL and Parquet files into token files, and sample training batches from them.
+"""Data: turn text, JSONL and Parquet files into a store of token shards for training.
 
-Preparation (`prepare`, or ``python -m gpt.data``) writes, into a data dir:
+Preparation (`prepare`, or ``python -m gpt.data``) writes a data dir: meta.json and a store dir of
+token shards with document indexes and the tokenizer's files (layout and atomic publishing:
+gpt/store.py). Reading the inputs (formats, UTF-8 pieces, the train/val split): gpt/corpus.py.
+Sampling batches from a store: gpt/batches.py. Here:
 
-    train.bin, val.bin   the token stream of each split, flat np.uint16 (uint32 if vocab > 65536)
-    meta.json            format version, tokenizer spec, dtype, token/byte counts, source hashes
-    tokenizer files      e.g. tokenizer.tiktoken for bpe:N (see Tokenizer.files())
-
-Reading the inputs (formats, the train/val split, documents, pieces): gpt/corpus.py. Here:
-
-- Parallelism: for corpora over 16 MiB, pieces are tokenized by a spawn process pool (spawn,
-  not fork: the caller may have JAX threads running). On the 2-core benchmark machine, idle,
-  this gave 46 MB/s for gpt2 against 27 MB/s inline and only 13 MB/s for a thread pool: tiktoken
-  releases the GIL, yet threads lost to the reader thread contending for it (BENCHMARKS.md).
-  Small corpora are tokenized inline, where starting workers would cost more than it saves.
-- Atomicity: everything is written into a hidden staging dir inside out_dir and renamed into
-  place at the end, meta.json last; an interrupted or failed prepare leaves no meta.json for
-  the new data (the previous data dir, if any, stays intact until the final renames).
-
-Batches are windows at random offsets of the memory-mapped split. The randomness of batch i is
-``np.random.default_rng([seed, i])``, so the sampler state is two integers and is saved in
-checkpoints as JSON; each process of a multi-host run takes its rows of the same global batch.
+- Jobs: the pieces of the corpus are grouped into jobs of ~1 MiB of text (`make_jobs`), so a
+  corpus of small records does not cost a pool task per record.
+- Parallelism: for corpora over 16 MiB, jobs are tokenized by a spawn process pool (spawn,
+  not fork: the caller may have JAX threads running), results written in order. On the 2-core
+  benchmark machine, idle, this gave 46 MB/s for gpt2 against 27 MB/s inline and only 13 MB/s
+  for a thread pool: tiktoken releases the GIL, yet threads lost to the reader thread
+  contending for it (BENCHMARKS.md). Small corpora are tokenized inline.
+- Bounded memory: at most 2 jobs per worker are in flight, and tokens go to the current shard
+  file as they come, so memory does not grow with the corpus.
+- Resume: the staging dir is named by a hash of the inputs and settings, and after each shard
+  is complete a progress file records the jobs done; a prepare that is killed or runs out of
+  disk, run again with the same inputs and settings, re-reads the corpus (for the source hashes)
+  but tokenizes only from the first incomplete shard on. After bad input it starts over.
+- Append (`append=True`): inputs not yet in the store are tokenized with the store's tokenizer
+  into new shards, and published the same atomic way.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections import deque
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from gpt.corpus import (CHUNK_BYTES, DEFAULT_INCLUDE, Include, Reading, Source, make_sources, file_format,
-                        include_patterns, iter_corpus, resolve_inputs, val_cut)
+from gpt import store
+from gpt.corpus import (CHUNK_BYTES, DEFAULT_INCLUDE, Include, Pieces, Reading, Source, SplitRule, make_sources,
+                        file_format, include_patterns, iter_corpus, resolve_inputs, split_rule)
 from gpt.errors import ArgParser, UserError, run_main
 from gpt.tokenizer import (Tokenizer, atomic_write_bytes, build_tokenizer, identity, load_tokenizer,
                            parse_name)
 
-FORMAT_VERSION = 1
-SPLITS = ("train", "val")
+FORMAT_VERSION = store.FORMAT_VERSION
+SPLITS = store.SPLITS
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -67,9 +69,25 @@ def _init_process_worker(spec: dict, base_dir: str) -> None:
     _worker_tokenizer = load_tokenizer(spec, base_dir)
 
 
-def _process_encode(text: str, dtype: str) -> np.ndarray:
+def encode_job(tok: Tokenizer, texts: list[str], marks: list[int], dtype: np.dtype) -> tuple[np.ndarray, list[int]]:
+    """One job's tokens and the offsets in them where documents start. marks[i]: 0 = the text
+    continues a document, 1 = it starts one, 2 = it starts one after an end-of-text token."""
+    parts, starts, n = [], [], 0
+    for text, mark in zip(texts, marks):
+        if mark:
+            starts.append(n)
+        if mark == 2:
+            parts.append(np.array([tok.eot_id], dtype))
+            n += 1
+        arr = tok.encode_array(text, dtype)
+        parts.append(arr)
+        n += int(arr.size)
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype)), starts
+
+
+def _process_encode(texts: list[str], marks: list[int], dtype: str) -> tuple[np.ndarray, list[int]]:
     assert _worker_tokenizer is not None
-    return _worker_tokenizer.encode_array(text, dtype)
+    return encode_job(_worker_tokenizer, texts, marks, np.dtype(dtype))
 
 
 BACKENDS = ("auto", "process", "thread")
@@ -77,11 +95,11 @@ MIN_PARALLEL_BYTES = 16 * CHUNK_BYTES  # below this, starting worker processes c
 
 
 def _make_executor(backend: str, workers: int, total_bytes: int, tok: Tokenizer, base_dir: Path) -> Executor | None:
-    """The pool that tokenizes pieces, or None to tokenize inline in this thread.
+    """The pool that tokenizes jobs, or None to tokenize inline in this thread.
 
     "auto" (default): inline for small corpora or one worker, else a spawn process pool, which
     bench/data.py measured fastest (see BENCHMARKS.md). Workers rebuild the tokenizer from its
-    spec and files in `base_dir`; each piece travels as a str and comes back as a token array.
+    spec and files in `base_dir`; a job's texts travel as strs and come back as a token array.
     """
     if backend not in BACKENDS:
         raise UserError(f"backend {backend!r} is not valid; use one of {', '.join(BACKENDS)}")
@@ -94,178 +112,356 @@ def _make_executor(backend: str, workers: int, total_bytes: int, tok: Tokenizer,
                                initializer=_init_process_worker, initargs=(tok.spec, str(base_dir)))
 
 
-def _tokenize_to_files(stream: Iterator[tuple[str, int, str | None]], tok: Tokenizer, dtype: np.dtype,
-                       outs: dict, executor: Executor | None, workers: int) -> dict:
-    """Tokenize the pieces of `stream` (in parallel, results kept in order) and append them to
-    the open split files `outs`; returns per-split token and byte counts."""
-    counts = {s: {"tokens": 0, "bytes": 0} for s in SPLITS}
+# A job: (split, UTF-8 bytes of text, texts, marks as in `encode_job`).
+Job = tuple[str, int, list[str], list[int]]
+
+
+def make_jobs(pieces: Pieces, eot: bool) -> Iterator[Job]:
+    """Group consecutive pieces of one split into jobs of about CHUNK_BYTES of text, so that a
+    corpus of small records (JSONL lines, Parquet rows) does not cost a pool task per record.
+    Where the tokenizer has an end-of-text token, it goes between documents (not before the
+    first), in the split where the next document starts."""
+    split, nbytes, texts, marks = None, 0, [], []
+    seen = False
+    for sp, n, text, new_doc in pieces:
+        if texts and (sp != split or nbytes >= CHUNK_BYTES):
+            yield split, nbytes, texts, marks
+            nbytes, texts, marks = 0, [], []
+        split = sp
+        nbytes += n
+        texts.append(text)
+        marks.append(0 if not new_doc else 2 if eot and seen else 1)
+        seen = True
+    if texts:
+        yield split, nbytes, texts, marks
+
+
+def _tokenize_jobs(jobs: Iterator[Job], tok: Tokenizer, dtype: np.dtype, writer: store.ShardWriter,
+                   executor: Executor | None, workers: int, skip: int) -> tuple[dict, int]:
+    """Tokenize the jobs (in parallel, results written in order) into `writer`; the first `skip`
+    are already in complete shards (a resumed prepare) and are only counted. Returns the text
+    bytes of each split and the number of jobs."""
+    nbytes = {s: 0 for s in SPLITS}
     in_flight: deque = deque()
     max_in_flight = 2 * workers if executor is not None else 0  # bounded: memory stays flat
 
     def drain(limit: int) -> None:
         while len(in_flight) > limit:
-            split, item = in_flight.popleft()
+            j, split, item = in_flight.popleft()
             try:
-                arr = item if isinstance(item, np.ndarray) else item.result()
+                arr, starts = item if isinstance(item, tuple) else item.result()
             except BrokenProcessPool:
                 raise UserError("tokenizer worker processes died (out of memory, or prepare() was called "
                                 "from a script without an `if __name__ == '__main__':` guard, which "
                                 "spawned workers need); fix that or pass workers=1") from None
-            arr.tofile(outs[split])
-            counts[split]["tokens"] += int(arr.size)
+            writer.write(split, j, arr, starts)
 
-    eot = np.array([tok.eot_id if tok.eot_id is not None else 0], dtype=dtype)
-    for split, nbytes, text in stream:
-        counts[split]["bytes"] += nbytes
-        if text is None:
-            in_flight.append((split, eot))
-        elif executor is None:
-            in_flight.append((split, tok.encode_array(text, dtype)))
+    j = -1
+    for j, (split, n, texts, marks) in enumerate(jobs):
+        nbytes[split] += n
+        if j < skip:
+            continue
+        if executor is None:
+            in_flight.append((j, split, encode_job(tok, texts, marks, dtype)))
         elif isinstance(executor, ProcessPoolExecutor):
-            in_flight.append((split, executor.submit(_process_encode, text, dtype.name)))
+            in_flight.append((j, split, executor.submit(_process_encode, texts, marks, dtype.name)))
         else:
-            in_flight.append((split, executor.submit(tok.encode_array, text, dtype)))
+            in_flight.append((j, split, executor.submit(encode_job, tok, texts, marks, dtype)))
         drain(max_in_flight)
     drain(0)
-    return counts
+    return nbytes, j + 1
 
 
-def _staging_dir(out_dir: Path) -> tuple[Path, bool]:
-    """Create out_dir (if needed) and a hidden staging dir in it; unwritable is a UserError."""
-    created = not out_dir.exists()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"out_dir {str(out_dir)!r} exists and is not a folder; choose another --out_dir")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_dir))
-    except OSError as e:
-        raise UserError(f"cannot write to out_dir {str(out_dir)!r} ({e.strerror}); choose a writable "
-                        f"--out_dir") from None
-    return stage, created
+@dataclass(frozen=True)
+class Settings:
+    """What decides a prepared store besides its inputs (all in the cache key)."""
+    tokenizer: str
+    val_fraction: float = 0.1
+    val_documents: int | None = None
+    include: tuple[str, ...] = DEFAULT_INCLUDE
+    errors: str = "strict"
+    text_field: str = "text"
+    skip_bad_records: bool = False
+    shard_tokens: int = store.SHARD_TOKENS
 
 
-def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str, out_dir: str | os.PathLike, *,
-            val_fraction: float = 0.1, include: Include = DEFAULT_INCLUDE, errors: str = "strict",
-            workers: int | None = None, backend: str = "auto", text_field: str = "text",
-            skip_bad_records: bool = False) -> dict:
-    """Tokenize text, JSONL and Parquet files into ``out_dir/{train,val}.bin`` + meta.json;
-    returns the meta dict.
+def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir: str | os.PathLike, *,
+            val_fraction: float = 0.1, val_documents: int | None = None, include: Include = DEFAULT_INCLUDE,
+            errors: str = "strict", workers: int | None = None, backend: str = "auto",
+            text_field: str = "text", skip_bad_records: bool = False, shard_tokens: int = store.SHARD_TOKENS,
+            append: bool = False) -> dict:
+    """Tokenize text, JSONL and Parquet files into a store of token shards in `out_dir`
+    (layout: gpt/store.py); returns the meta dict.
 
     inputs: files, folders (recursive, files matching any `include` pattern) or glob patterns;
     .txt/.txt.gz files are one document each, .jsonl/.jsonl.gz lines and .parquet rows one
     document each, their text at `text_field` (a JSON key or dotted path, or a Parquet column).
     tokenizer: "gpt2" | "char" | "bpe:N" | "hf:PATH" (char and bpe:N are learned from this corpus
-    first; hf:PATH is a Hugging Face tokenizer.json, copied into out_dir).
+    first; hf:PATH is a Hugging Face tokenizer.json, copied into the store); with `append`, None
+    (the store's own).
+    val_fraction / val_documents: whole documents go to val, those past the last `val_fraction`
+    of the bytes, or the last `val_documents` (see gpt/corpus.py SplitRule).
     errors: "strict" (invalid UTF-8 is an error) or "replace" (bad bytes become U+FFFD).
-    skip_bad_records: skip (and count) records that are not JSON or lack a string text field,
-    instead of stopping with an error.
+    skip_bad_records: skip (and count) records that are not JSON or lack a string text field.
     workers: parallel tokenizer workers (default: all cores); backend: "auto" | "process" |
-    "thread" (see `_make_executor`).
+    "thread" (see `_make_executor`). shard_tokens: tokens per shard.
+    append: add the inputs (those not already in it) to the existing store in `out_dir`, as new
+    shards, with the store's tokenizer.
+    An interrupted prepare (killed, or out of disk) resumes from its last complete shard when
+    run again with the same inputs and settings.
     """
-    _check_prepare_args(tokenizer, backend, errors, val_fraction, text_field)
-    reading = Reading(errors, text_field, bool(skip_bad_records))
-    workers = (os.cpu_count() or 1) if workers is None else int(workers)
-    sources = make_sources(resolve_inputs(inputs, include))
-    total = sum(s.size for s in sources)
-    if total == 0:
-        raise UserError(f"the corpus is empty ({len(sources)} file(s), 0 bytes); pass non-empty text files")
-    cut = val_cut(total, val_fraction)
     out_dir = Path(out_dir)
-    stage, created = _staging_dir(out_dir)
+    old = _store_to_append(out_dir, tokenizer) if append else None
+    if old is None and not isinstance(tokenizer, str):
+        raise UserError("no tokenizer given; pass --tokenizer gpt2 | char | bpe:N | hf:PATH")
+    settings = Settings(_store_tokenizer_name(old) if old is not None else tokenizer, val_fraction,
+                        val_documents, include_patterns(include), errors, text_field, bool(skip_bad_records),
+                        shard_tokens)
+    _check_settings(settings, backend, appending=old is not None)
+    files = resolve_inputs(inputs, settings.include)
+    if old is not None:
+        files = _new_files(files, old, out_dir)
+    reading = Reading(errors, text_field, bool(skip_bad_records))
+    sources = make_sources(files)
+    if sum(s.size for s in sources) == 0:
+        raise UserError(f"the corpus is empty ({len(sources)} file(s), 0 bytes); pass non-empty text files")
+    rule = split_rule(sources, reading, val_fraction, val_documents)
+    key = cache_key(files, settings if old is not None else
+                    dataclasses.replace(settings, tokenizer=identity(tokenizer)))
+    stage, created, progress = _stage(out_dir, key)
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    keep = False  # keep the staging dir for a resume: not after bad input, which must be fixed first
     try:
-        tok = _learn_tokenizer(tokenizer, sources, reading, cut, stage)
-        dtype = token_dtype(tok.vocab_size)
-        hashers = [hashlib.sha256() for _ in sources]
-        stats = {"skipped": 0}
-        stream = iter_corpus(sources, reading, cut, eot=tok.eot_id is not None, hashers=hashers, stats=stats)
-        counts = _write_splits(stream, tok, dtype, stage, backend, workers, total)
-        if counts["train"]["bytes"] + counts["val"]["bytes"] == 0:
-            raise UserError(f"the corpus is empty ({len(sources)} file(s), {total} bytes, but no text in any "
-                            f"record); pass files with text, or check --text_field={text_field}")
-        meta = _meta(tok, dtype, counts, val_fraction, reading, stats["skipped"], sources, hashers)
-        _publish(stage, out_dir, ["train.bin", "val.bin", *tok.files()], meta)
-        return meta
+        meta = _prepare_in(stage, sources, reading, rule, settings, old, progress, workers, backend, out_dir)
+        (stage / PROGRESS).unlink(missing_ok=True)
+        store.publish(stage, out_dir, meta, old)
+        return load_meta(out_dir)
     except OSError as e:
+        keep = True
         raise UserError(f"cannot read or write {e.filename or str(out_dir)!r} ({e.strerror}); check "
-                        f"permissions and free space, or choose another --out_dir") from None
+                        f"permissions and free space, or choose another --out_dir (the complete shards are "
+                        f"kept: the same command resumes)") from None
+    except UserError:
+        raise
+    except BaseException:
+        keep = True
+        raise
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
-        if created and out_dir.is_dir() and not (out_dir / "meta.json").exists():
-            shutil.rmtree(out_dir, ignore_errors=True)
+        _clean_up(stage, out_dir, created, keep)
 
 
-def _meta(tok: Tokenizer, dtype: np.dtype, counts: dict, val_fraction: float, reading: Reading,
-          skipped: int, sources: list[Source], hashers: list) -> dict:
-    """meta.json's contents. Split bytes are UTF-8 bytes of text (what bits per byte divides by);
-    source bytes are on disk."""
+def _prepare_in(stage: Path, sources: list[Source], reading: Reading, rule, settings: Settings, old: dict | None,
+                progress: dict, workers: int, backend: str, out_dir: Path) -> dict:
+    """Tokenize the corpus into shards in `stage`, resuming from `progress`; returns the meta."""
+    tok = _stage_tokenizer(stage, sources, reading, rule, settings, old, progress, out_dir)
+    dtype = token_dtype(tok.vocab_size)
+    first = {s: len(old["shards"][s]) for s in SPLITS} if old is not None else None
+
+    def saved(job: int) -> None:
+        _save_progress(stage, {**progress, "jobs": job, "shards": writer.closed})
+
+    writer = store.ShardWriter(stage, dtype, settings.shard_tokens, progress.get("shards"), first, saved)
+    hashers = [hashlib.sha256() for _ in sources]
+    stats = {"skipped": 0}
+    executor = _make_executor(backend, workers, sum(s.size for s in sources), tok, stage)
+    try:
+        jobs = make_jobs(iter_corpus(sources, reading, rule, hashers=hashers, stats=stats), tok.eot_id is not None)
+        nbytes, n_jobs = _tokenize_jobs(jobs, tok, dtype, writer, executor, workers, progress.get("jobs", 0))
+        shards = writer.finish(n_jobs)
+    finally:
+        writer.abandon()
+        if executor is not None:
+            executor.shutdown(cancel_futures=True)
+    if sum(nbytes.values()) == 0:
+        raise UserError(f"the corpus is empty ({len(sources)} file(s), {sum(s.size for s in sources)} bytes, "
+                        f"but no text in any record); pass files with text, or check "
+                        f"--text_field={settings.text_field}")
+    new = _meta(tok, dtype, shards, nbytes, settings, stats["skipped"], sources, hashers)
+    return new if old is None else _appended_meta(old, new)
+
+
+def _check_settings(s: Settings, backend: str, appending: bool) -> None:
+    if not appending:
+        parse_name(s.tokenizer)  # unknown tokenizer: fail before touching anything
+    if backend not in BACKENDS:
+        raise UserError(f"backend {backend!r} is not valid; use one of {', '.join(BACKENDS)}")
+    if s.errors not in ("strict", "replace"):
+        raise UserError(f"errors={s.errors!r} is not valid; use strict or replace")
+    if isinstance(s.val_fraction, bool) or not isinstance(s.val_fraction, (int, float)) \
+            or not 0.0 <= s.val_fraction < 1.0:
+        raise UserError(f"val_fraction={s.val_fraction!r} must be in [0, 1), e.g. 0.1")
+    if s.val_documents is not None:
+        check_int("val_documents", s.val_documents, 1)
+    check_int("shard_tokens", s.shard_tokens, 1)
+    if not isinstance(s.text_field, str) or not s.text_field:
+        raise UserError(f"text_field={s.text_field!r} must name a JSON key or Parquet column, e.g. text")
+
+
+def _stage(out_dir: Path, key: str) -> tuple[Path, bool, dict]:
+    """Create out_dir (if needed) and the hidden staging dir of this preparation in it; returns
+    it, whether out_dir was created, and the progress of an interrupted run with the same key to
+    resume ({} if none). Staging dirs of other settings are stale and removed."""
+    created = not out_dir.exists()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"out_dir {str(out_dir)!r} exists and is not a folder; choose another --out_dir")
+    stage = out_dir / f".prepare-{key[:16]}"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for d in out_dir.glob(".prepare-*"):
+            if d != stage:
+                shutil.rmtree(d, ignore_errors=True)
+        progress = _read_progress(stage, key)
+        if not progress:
+            shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write to out_dir {str(out_dir)!r} ({e.strerror}); choose a writable "
+                        f"--out_dir") from None
+    return stage, created, progress or {"key": key}
+
+
+def _read_progress(stage: Path, key: str) -> dict | None:
+    """The progress file of an interrupted run, if it is for `key` and its shards are intact;
+    anything else (edited, damaged, another preparation) is None: start over."""
+    try:
+        p = json.loads((stage / PROGRESS).read_text(encoding="utf-8"))
+        ok = (isinstance(p, dict) and p.get("key") == key and isinstance(p.get("tokenizer"), dict)
+              and isinstance(p.get("jobs", 0), int) and p.get("jobs", 0) >= 0)
+        if ok and "shards" in p:
+            size = token_dtype(int(p["tokenizer"]["vocab_size"])).itemsize
+            for split in SPLITS:
+                for sh in p["shards"][split]:
+                    store.check_shard(stage, sh, size)
+        return p if ok else None
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return None
+
+
+PROGRESS = "progress.json"
+
+
+def _save_progress(stage: Path, progress: dict) -> None:
+    atomic_write_bytes(stage / PROGRESS, json.dumps(progress).encode())
+
+
+def _clean_up(stage: Path, out_dir: Path, created: bool, keep: bool) -> None:
+    """After a prepare: drop the staging dir, unless an interrupted run can resume from it, and an
+    out_dir we created that holds no store."""
+    if keep and (stage / PROGRESS).is_file():
+        return
+    shutil.rmtree(stage, ignore_errors=True)
+    if created and out_dir.is_dir() and not (out_dir / "meta.json").exists():
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _stage_tokenizer(stage: Path, sources: list[Source], reading: Reading, rule: SplitRule, settings: Settings,
+                     old: dict | None, progress: dict, out_dir: Path) -> Tokenizer:
+    """The tokenizer, with its files in `stage`: the store's own when appending, the one an
+    interrupted run learned, or a new one (char learns from all the text, bpe from the train
+    split only: val stays unseen); recorded in the progress file so a resume never relearns."""
+    if old is not None:
+        src = store.files_dir(out_dir, old)
+        tok = load_tokenizer(old["tokenizer"], src)
+        for name in tok.files():
+            shutil.copyfile(src / name, stage / name)
+        return tok
+    if progress.get("tokenizer"):
+        return load_tokenizer(progress["tokenizer"], stage)
+    name = settings.tokenizer
+    if name == "gpt2" or name.startswith("hf:"):
+        tok = build_tokenizer(name, None, stage)
+    elif name == "char":
+        tok = build_tokenizer(name, (t for _, _, t, _ in iter_corpus(sources, reading, rule)), stage)
+    else:
+        tok = build_tokenizer(name, (t for s, _, t, _ in iter_corpus(sources, reading, rule) if s == "train"), stage)
+    progress["tokenizer"] = tok.spec
+    _save_progress(stage, progress)
+    return tok
+
+
+def _meta(tok: Tokenizer, dtype: np.dtype, shards: dict, nbytes: dict, settings: Settings, skipped: int,
+          sources: list[Source], hashers: list) -> dict:
+    """meta.json's contents (the store dir's name is added when publishing). Split bytes are
+    UTF-8 bytes of text (what bits per byte divides by); source bytes are on disk."""
+    counts = store.split_counts(shards)
+    splits = {s: {"tokens": counts[s]["tokens"], "bytes": nbytes[s], "documents": counts[s]["documents"]}
+              for s in SPLITS}
     return {
         "format_version": FORMAT_VERSION,
         "tokenizer": tok.spec,
+        "tokenizer_name": identity(settings.tokenizer),
         "vocab_size": tok.vocab_size,
         "dtype": dtype.name,
-        "splits": counts,
-        "val_fraction": val_fraction,
-        "split_rule": "last val_fraction of the concatenated input bytes on disk is val (whole records "
-                      "for .jsonl/.parquet; by compressed position for .gz)",
-        "text_field": reading.text_field,
+        "splits": splits,
+        "shards": shards,
+        "shard_tokens": settings.shard_tokens,
+        "val_fraction": settings.val_fraction,
+        "val_documents": settings.val_documents,
+        "split_rule": SPLIT_RULE,
+        "text_field": settings.text_field,
         "skipped_records": skipped,
         "sources": [{"path": str(s.path), "format": file_format(s.path), "bytes": s.size,
                      "sha256": h.hexdigest()} for s, h in zip(sources, hashers)],
-        "bytes_per_token": {s: (round(counts[s]["bytes"] / counts[s]["tokens"], 4)
-                                if counts[s]["tokens"] else None) for s in SPLITS},
+        "bytes_per_token": _bytes_per_token(splits),
     }
 
 
-def _check_prepare_args(tokenizer: str, backend: str, errors: str, val_fraction: float,
-                        text_field: str = "text") -> None:
-    parse_name(tokenizer)  # unknown tokenizer: fail before touching anything
-    if backend not in BACKENDS:
-        raise UserError(f"backend {backend!r} is not valid; use one of {', '.join(BACKENDS)}")
-    if errors not in ("strict", "replace"):
-        raise UserError(f"errors={errors!r} is not valid; use strict or replace")
-    if not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
-        raise UserError(f"val_fraction={val_fraction!r} must be in [0, 1), e.g. 0.1")
-    if not isinstance(text_field, str) or not text_field:
-        raise UserError(f"text_field={text_field!r} must name a JSON key or Parquet column, e.g. text")
+SPLIT_RULE = ("whole documents go to val: the last val_documents, or those ending past the last "
+              "val_fraction of the concatenated input bytes on disk (a one-document corpus is cut inside "
+              "it; for .gz and .parquet by the position read so far)")
 
 
-def _learn_tokenizer(tokenizer: str, sources, reading: Reading, cut: int, stage: Path):
-    """The tokenizer; char learns from all the text, bpe from the train split only (val unseen)."""
-    if tokenizer == "gpt2" or tokenizer.startswith("hf:"):
-        return build_tokenizer(tokenizer, None, stage)
-    if tokenizer == "char":
-        return build_tokenizer(tokenizer, (t for _, _, t in iter_corpus(sources, reading, cut) if t), stage)
-    train_texts = (t for split, _, t in iter_corpus(sources, reading, cut) if split == "train" and t)
-    return build_tokenizer(tokenizer, train_texts, stage)
+def _bytes_per_token(splits: dict) -> dict:
+    return {s: (round(splits[s]["bytes"] / splits[s]["tokens"], 4) if splits[s]["tokens"] else None)
+            for s in SPLITS}
 
 
-def _write_splits(stream, tok, dtype, stage: Path, backend: str, workers: int, total: int) -> dict:
-    """Tokenize the stream into stage/{train,val}.bin (fsynced); returns the per-split counts."""
-    executor = _make_executor(backend, workers, total, tok, stage)
-    try:
-        with open(stage / "train.bin", "wb") as ftrain, open(stage / "val.bin", "wb") as fval:
-            counts = _tokenize_to_files(stream, tok, dtype, {"train": ftrain, "val": fval}, executor,
-                                        workers)
-            for f in (ftrain, fval):
-                f.flush()
-                os.fsync(f.fileno())
-        return counts
-    finally:
-        if executor is not None:
-            executor.shutdown(cancel_futures=True)
+def _appended_meta(old: dict, new: dict) -> dict:
+    """The meta of the store after appending `new`'s shards to `old`'s."""
+    shards = {s: old["shards"][s] + new["shards"][s] for s in SPLITS}
+    splits = {s: {k: old["splits"][s][k] + new["splits"][s][k] for k in ("tokens", "bytes", "documents")}
+              for s in SPLITS}
+    return {**old, "splits": splits, "shards": shards, "sources": old["sources"] + new["sources"],
+            "skipped_records": old["skipped_records"] + new["skipped_records"],
+            "bytes_per_token": _bytes_per_token(splits)}
 
 
-def _publish(stage: Path, out_dir: Path, names: list[str], meta: dict) -> None:
-    """Drop any old meta.json first so old meta never describes new files, move the data and
-    tokenizer files into place, and write meta.json last."""
-    (out_dir / "meta.json").unlink(missing_ok=True)
-    for name in names:
-        os.replace(stage / name, out_dir / name)
-    atomic_write_bytes(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+def _store_to_append(out_dir: Path, tokenizer: str | None) -> dict:
+    """The current meta of the store to append to; it must be a version 2 store, and a given
+    tokenizer must be the one it was prepared with."""
+    if not (out_dir / "meta.json").is_file():
+        raise UserError(f"--append adds to a prepared data dir, and {str(out_dir)!r} holds none; prepare it "
+                        f"first without --append")
+    meta = load_meta(out_dir)
+    if meta["format_version"] < 2:
+        raise UserError(f"{str(out_dir)!r} is a single-file data dir (format version 1), which cannot be "
+                        f"appended to; prepare all its inputs again into a new --out_dir")
+    if tokenizer is not None and identity(tokenizer) != meta.get("tokenizer_name"):
+        raise UserError(f"--tokenizer={tokenizer} is not the tokenizer {str(out_dir)!r} was prepared with "
+                        f"({_store_tokenizer_name(meta)}); drop --tokenizer to use the store's")
+    return meta
+
+
+def _store_tokenizer_name(meta: dict) -> str:
+    """The store's tokenizer as `identity` names it (for hf:PATH, its spec)."""
+    name = meta.get("tokenizer_name")
+    if not isinstance(name, str) or not name:
+        raise UserError("the data dir's meta.json has no tokenizer_name; re-prepare it without --append")
+    return name
+
+
+def _new_files(files: list[Path], old: dict, out_dir: Path) -> list[Path]:
+    """The inputs not already in the store (same resolved path and size); none is an error."""
+    have = {(str(Path(s["path"]).resolve()), s["bytes"]) for s in old["sources"]}
+    new = [f for f in files if (str(f.resolve()), f.stat().st_size) not in have]
+    if not new:
+        raise UserError(f"every input is already in {str(out_dir)!r}; pass new files to --append")
+    return new
 
 
 def load_meta(data_dir: str | os.PathLike) -> dict:
-    """Read and check a prepared data dir's meta.json (and that the .bin files match it)."""
+    """Read and check a prepared data dir's meta.json: its format version, fields and types (it
+    is a file a user may edit), and that every shard it names exists with the recorded size."""
     d = Path(data_dir)
     how = f"prepare it with: python -m gpt.data --input YOUR_TEXT_FILES --tokenizer gpt2 --out_dir {d}"
     if not d.is_dir():
@@ -277,44 +473,49 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{str(path)!r} is unreadable ({e}); {how}") from None
-    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
-        got = meta.get("format_version") if isinstance(meta, dict) else None
-        raise UserError(f"{str(d)!r} was prepared with data format version {got!r}, this code reads "
-                        f"version {FORMAT_VERSION}; re-prepare it ({how})")
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if version not in store.READS:
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
+        raise UserError(f"{str(d)!r} was prepared with data format version {version!r}, this code reads "
+                        f"versions {', '.join(map(str, store.READS))}; "
+                        + ("update this code (git pull)" if newer else f"re-prepare it ({how})"))
     try:
-        itemsize = np.dtype(meta["dtype"]).itemsize
-        for split in SPLITS:
-            want = int(meta["splits"][split]["tokens"]) * itemsize
-            f = d / f"{split}.bin"
-            if not f.is_file() or f.stat().st_size != want:
-                raise UserError(f"{str(f)!r} is missing or does not match meta.json ({want} bytes expected); "
-                                f"the data dir is corrupt, re-prepare it ({how})")
-    except (KeyError, TypeError, ValueError):
+        counts = [meta["vocab_size"]] + [meta["splits"][s][k] for s in SPLITS for k in ("tokens", "bytes")]
+        if meta["dtype"] not in ("uint16", "uint32") or not isinstance(meta["tokenizer"], dict) \
+                or not all(_is_count(c) for c in counts) or meta["vocab_size"] < 1:
+            raise ValueError("a field has the wrong type")
+        store.check_index(d, meta, how)
+    except (KeyError, TypeError, ValueError, AttributeError):
         raise UserError(f"{str(path)!r} is incomplete or malformed; re-prepare it ({how})") from None
     return meta
 
 
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def check_split_sizes(meta: dict, block_size: int) -> None:
-    """Each split needs at least block_size+1 tokens to cut one (input, target) window from."""
+    """Some shard of each split needs at least block_size+1 tokens to cut one (input, target)
+    window from (windows never straddle shards)."""
     need = int(block_size) + 1
     for split in SPLITS:
-        have = int(meta["splits"][split]["tokens"])
+        shards = store.shard_index(meta, split)
+        have = max((int(sh["tokens"]) for sh in shards), default=0)
         if have < need:
             hint = "a larger --val_fraction when preparing" if split == "val" else "more text"
-            raise UserError(f"the {split} split has {have} tokens, but block_size={block_size} needs at "
+            where = " in its largest shard" if len(shards) > 1 else ""
+            raise UserError(f"the {split} split has {have} tokens{where}, but block_size={block_size} needs at "
                             f"least {need}; use a smaller --block_size or {hint}")
 
 
-def cache_key(files: list[Path], tokenizer: str, *, val_fraction: float, include: Include, errors: str,
-              text_field: str = "text", skip_bad_records: bool = False) -> str:
+def cache_key(files: list[Path], settings: Settings) -> str:
     """Hash of everything that determines a prepared data dir (files by path, size and mtime)."""
     items = []
     for f in files:
         st = f.stat()
         items.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
-    blob = json.dumps({"format_version": FORMAT_VERSION, "tokenizer": tokenizer, "val_fraction": val_fraction,
-                       "include": list(include_patterns(include)), "errors": errors, "text_field": text_field,
-                       "skip_bad_records": bool(skip_bad_records), "sources": items}, sort_keys=True)
+    blob = json.dumps({"format_version": FORMAT_VERSION, **dataclasses.asdict(settings), "sources": items},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -322,17 +523,17 @@ def ensure_prepared(input_paths: Sequence[str | os.PathLike], tokenizer: str, ca
                     **kw) -> Path:
     """Prepare `input_paths` into a cache dir named by a hash of inputs and settings, or reuse it.
 
-    The key covers each file's resolved path, size and mtime, the tokenizer, val_fraction,
-    include, errors, text_field, skip_bad_records and FORMAT_VERSION, so editing a file or
-    changing a setting re-prepares; a second call with the same inputs returns at once without
-    re-tokenizing.
+    The key covers each file's resolved path, size and mtime, the tokenizer (for hf:PATH its
+    content), every setting of `Settings` and FORMAT_VERSION, so editing a file or changing a
+    setting re-prepares; a second call with the same inputs returns at once without
+    re-tokenizing; an interrupted one resumes.
     """
-    include = kw.get("include", DEFAULT_INCLUDE)
+    include = include_patterns(kw.get("include", DEFAULT_INCLUDE))
     kind, _ = parse_name(tokenizer)
     files = resolve_inputs(input_paths, include)
-    key = cache_key(files, identity(tokenizer), val_fraction=kw.get("val_fraction", 0.1), include=include,
-                    errors=kw.get("errors", "strict"), text_field=kw.get("text_field", "text"),
-                    skip_bad_records=kw.get("skip_bad_records", False))
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    settings = Settings(identity(tokenizer), **{k: v for k, v in {**kw, "include": include}.items() if k in fields})
+    key = cache_key(files, settings)
     stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in files[0].stem)[:40]
     label = kind if kind == "hf" else tokenizer.replace(":", "")
     name = f"{stem}{'-etc' if len(files) > 1 else ''}-{label}-{key[:12]}"
@@ -343,92 +544,33 @@ def ensure_prepared(input_paths: Sequence[str | os.PathLike], tokenizer: str, ca
             return d
         except UserError:
             pass  # stale or corrupt: prepare again below
+    print(f"preparing {len(files)} file(s) with tokenizer {label} into {d} (once: later runs reuse it)",
+          flush=True)
     prepare(files, tokenizer, d, **kw)
     return d
 
 
-def _check_int(name: str, value, lo: int) -> int:
+def check_int(name: str, value, lo: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
         raise UserError(f"{name}={value!r} must be an integer >= {lo}")
     return int(value)
 
 
 # ---------------------------------------------------------------------------------------------
-# Batches
-
-class Batches:
-    """Random (x, y) windows from one split of a prepared data dir.
-
-    Batch i uses ``np.random.default_rng([seed, i])`` to draw the offsets of the whole *global*
-    batch, and this process keeps rows [process_index*B/P, (process_index+1)*B/P): every process
-    agrees on the global batch without communicating, and the state is just {seed, index}.
-    """
-
-    def __init__(self, data_dir: str | os.PathLike, split: str, block_size: int, batch_size: int, *,
-                 seed: int, process_index: int = 0, process_count: int = 1):
-        if split not in SPLITS:
-            raise UserError(f"split {split!r} is not valid; use train or val")
-        self.block_size = _check_int("block_size", block_size, 1)
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        self.seed = _check_int("seed", seed, 0)
-        self.process_count = _check_int("process_count", process_count, 1)
-        self.process_index = _check_int("process_index", process_index, 0)
-        if self.process_index >= self.process_count:
-            raise UserError(f"process_index={process_index} must be < process_count={process_count}")
-        if self.batch_size % self.process_count:
-            raise UserError(f"batch_size={batch_size} (global) is not divisible by the {process_count} "
-                            f"processes; use a multiple of {process_count}")
-        self.data_dir = Path(data_dir)
-        self.split = split
-        self.meta = load_meta(self.data_dir)
-        check_split_sizes(self.meta, self.block_size)
-        # Opened once: re-creating the memmap per batch (as nanoGPT does) leaks memory.
-        self.data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.dtype(self.meta["dtype"]), mode="r")
-        self.n_tokens = int(self.data.shape[0])
-        self.local_batch_size = self.batch_size // self.process_count
-        self.index = 0
-
-    def offsets(self, index: int) -> np.ndarray:
-        """Start offsets of the global batch `index`, in [0, n_tokens - block_size - 1]."""
-        rng = np.random.default_rng([self.seed, index])
-        return rng.integers(0, self.n_tokens - self.block_size, size=self.batch_size)
-
-    def next(self) -> tuple[np.ndarray, np.ndarray]:
-        """This process's rows of the next batch: int32 x, y of shape [B_local, block_size]."""
-        lo = self.process_index * self.local_batch_size
-        offs = self.offsets(self.index)[lo:lo + self.local_batch_size]
-        self.index += 1
-        windows = np.stack([self.data[o:o + self.block_size + 1] for o in offs]).astype(np.int32)
-        return windows[:, :-1], windows[:, 1:]
-
-    __next__ = next
-
-    def __iter__(self) -> Batches:
-        return self
-
-    def state(self) -> dict:
-        return {"seed": self.seed, "index": self.index}
-
-    def restore(self, state: dict) -> None:
-        if not isinstance(state, dict) or "seed" not in state or "index" not in state:
-            raise UserError(f"data loader state {state!r} is malformed (needs seed and index); "
-                            f"the checkpoint may be corrupt")
-        self.seed = _check_int("seed", state["seed"], 0)
-        self.index = _check_int("index", state["index"], 0)
-
-
-# ---------------------------------------------------------------------------------------------
 # Command line
 
 def main(argv: Sequence[str]) -> int:
-    p = ArgParser(prog="python -m gpt.data", description="Tokenize text, JSONL and Parquet files into "
-                  "train.bin/val.bin + meta.json for training.")
+    p = ArgParser(prog="python -m gpt.data", description="Tokenize text, JSONL and Parquet files into a store "
+                  "of token shards + meta.json for training.")
     p.add_paths("--input", required=True, help="files (.txt, .txt.gz, .jsonl, .jsonl.gz, .parquet), "
                 "folders (searched recursively) or glob patterns")
-    p.add_argument("--tokenizer", required=True, help="gpt2 | char | bpe:N (train a byte-level BPE with N tokens) | "
-                   "hf:PATH (a Hugging Face tokenizer.json, or the directory holding it)")
+    p.add_argument("--tokenizer", default=None, help="gpt2 | char | bpe:N (train a byte-level BPE with N tokens) | "
+                   "hf:PATH (a Hugging Face tokenizer.json, or the directory holding it); required unless --append")
     p.add_argument("--out_dir", required=True, help="data dir to write")
-    p.add_argument("--val_fraction", type=float, default=0.1, help="last fraction of the bytes used for validation")
+    p.add_argument("--val_fraction", type=float, default=0.1,
+                   help="whole documents past the last fraction of the bytes go to validation (default 0.1)")
+    p.add_argument("--val_documents", type=int, default=None,
+                   help="instead: the last N documents (files, JSONL lines, Parquet rows) go to validation")
     p.add_argument("--include", default=",".join(DEFAULT_INCLUDE),
                    help="file name patterns for folders, comma-separated (default: %(default)s)")
     p.add_argument("--text_field", default="text",
@@ -439,20 +581,29 @@ def main(argv: Sequence[str]) -> int:
                         "text field, instead of stopping")
     p.add_argument("--errors", choices=["strict", "replace"], default="strict",
                    help="invalid UTF-8: strict = error, replace = U+FFFD")
-    p.add_argument("--workers", type=int, default=None, help="tokenizer threads (default: all cores)")
+    p.add_argument("--shard_tokens", type=int, default=store.SHARD_TOKENS,
+                   help="tokens per shard file (default %(default)s)")
+    p.add_argument("--append", action="store_true",
+                   help="add the inputs not already in --out_dir's store to it, as new shards")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     meta = prepare(args.input, args.tokenizer, args.out_dir, val_fraction=args.val_fraction,
-                   include=args.include, errors=args.errors, workers=args.workers,
-                   text_field=args.text_field, skip_bad_records=args.skip_bad_records)
-    dt = time.perf_counter() - t0
-    total = sum(s["bytes"] for s in meta["sources"])
-    sp = meta["splits"]
-    print(f"prepared {args.out_dir}: {len(meta['sources'])} file(s), {total / 1e6:.1f} MB in {dt:.1f}s "
-          f"({total / 1e6 / max(dt, 1e-9):.1f} MB/s); tokenizer {args.tokenizer} (vocab {meta['vocab_size']}, "
-          f"{meta['dtype']}); train {sp['train']['tokens']:,} tokens, val {sp['val']['tokens']:,} tokens"
-          + (f"; skipped {meta['skipped_records']:,} bad record(s)" if args.skip_bad_records else ""))
+                   val_documents=args.val_documents, include=args.include, errors=args.errors,
+                   workers=args.workers, text_field=args.text_field, skip_bad_records=args.skip_bad_records,
+                   shard_tokens=args.shard_tokens, append=args.append)
+    print(_summary(args, meta, time.perf_counter() - t0))
     return 0
+
+
+def _summary(args, meta: dict, seconds: float) -> str:
+    total = sum(s["bytes"] for s in meta["sources"])
+    sp, n_shards = meta["splits"], sum(len(store.shard_index(meta, s)) for s in SPLITS)
+    return (f"{'appended to' if args.append else 'prepared'} {args.out_dir}: {len(meta['sources'])} file(s), "
+            f"{total / 1e6:.1f} MB in {seconds:.1f}s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s); vocab {meta['vocab_size']} ({meta['dtype']}); "
+            f"train {sp['train']['tokens']:,} tokens, val {sp['val']['tokens']:,} tokens "
+            f"({sp['val'].get('documents', '?')} document(s)), {n_shards} shard(s)"
+            + (f"; skipped {meta['skipped_records']:,} bad record(s)" if args.skip_bad_records else ""))
 
 
 if __name__ == "__main__":

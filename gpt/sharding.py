@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import jax
 import numpy as np
@@ -26,6 +26,7 @@ BATCH_AXES = ("data", "fsdp")
 
 # Logical axes that tensor parallelism splits (only where the size divides: key/value heads fewer
 # than the tensor axis stay replicated).
+T = TypeVar("T")
 TENSOR_LOGICAL = ("heads", "kv_heads", "mlp", "vocab")
 
 
@@ -227,6 +228,29 @@ def _join_error(e: Exception, coordinator_address: str, timeout_s: int) -> UserE
     return UserError(f"could not join the distributed job at {where} within {timeout_s}s "
                      f"({first[:200]}); check --coordinator_address and that every process "
                      f"was started")
+
+
+def main_process_first(fn: Callable[[], T]) -> T:
+    """`fn()` on process 0 first, then on the others, which find what it made (a prepared data
+    dir in the shared cache) instead of racing it. Process 0's failure is broadcast, so the
+    others stop with one line instead of waiting or repeating the work."""
+    if jax.process_count() == 1:
+        return fn()
+    from jax.experimental import multihost_utils
+    error: BaseException | None = None
+    result = None
+    if is_main_process():
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 - told to the others, then raised here
+            error = e
+    ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+    if error is not None:
+        raise error
+    if not ok:
+        raise UserError("process 0 could not prepare the data (its own error says why); fix that and "
+                        "start every process again")
+    return result if is_main_process() else fn()
 
 
 def is_main_process() -> bool:

@@ -25,7 +25,9 @@ import optax
 from flax import nnx
 
 from gpt import checkpoint as ckpt
+from gpt import batches as batches_lib
 from gpt import data as data_lib
+from gpt import store
 from gpt import metrics as metrics_lib
 from gpt import sharding
 from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, to_dict
@@ -134,7 +136,7 @@ def evaluate(eval_fn, params, data_dir: Path, meta: dict, shape: tuple[int, int]
     (B, T), res = shape, {}
     for split in ("train", "val"):
         seed = t.seed + 1 + (split == "val")
-        batches = data_lib.Batches(data_dir, split, T, B, seed=seed, process_index=layout[0],
+        batches = batches_lib.Batches(data_dir, split, T, B, seed=seed, process_index=layout[0],
                                    process_count=layout[1])
         batches.restore({"seed": seed, "index": at_step * t.eval_iters})
         losses = [eval_fn(params, *map(place, batches.next())) for _ in range(t.eval_iters)]
@@ -160,12 +162,14 @@ class Setup:
 
 
 def resolve_data(t: TrainConfig) -> Path:
+    """The data dir: --data_dir, or --input (default: the bundled Shakespeare) prepared into the
+    cache once. In a multi-host job process 0 prepares and the others then find it prepared."""
     if t.data_dir:
         return Path(t.data_dir)
     inputs = t.input or [str(BUNDLED_CORPUS)]
     cache = Path(os.environ.get("GPT_DATA_CACHE", REPO_ROOT / "data" / "cache"))
-    return data_lib.ensure_prepared(inputs, t.tokenizer, cache, text_field=t.text_field,
-                                    skip_bad_records=t.skip_bad_records)
+    return sharding.main_process_first(lambda: data_lib.ensure_prepared(
+        inputs, t.tokenizer, cache, text_field=t.text_field, skip_bad_records=t.skip_bad_records))
 
 
 def _arch_diff(a: ModelConfig, b: ModelConfig, keys) -> list[str]:
@@ -340,7 +344,7 @@ class Run:
     step_fn: Callable
     eval_fn: Callable
     shardings: dict[str, Any]  # params, opt_state, batch (A, B, T), eval batch (B, T)
-    batches: data_lib.Batches
+    batches: batches_lib.Batches
     layout: tuple[int, int]  # this process's (index, count) in the batch rows
     checkpointer: ckpt.Checkpointer
     mlog: metrics_lib.MetricsLog
@@ -412,10 +416,14 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
     eval_fn = jax.jit(make_eval_step(graphdef), in_shardings=(shards["params"], shards["eval"],
                                                                shards["eval"]))
     layout = sharding.batch_process_layout(mesh)  # this process's block of the batch rows
-    batches = data_lib.Batches(s.data_dir, "train", m.block_size,
-                               t.batch_size * t.gradient_accumulation_steps, seed=t.seed,
-                               process_index=layout[0], process_count=layout[1])
+    batches = batches_lib.Batches(s.data_dir, "train", m.block_size,
+                                  t.batch_size * t.gradient_accumulation_steps, seed=t.seed,
+                                  process_index=layout[0], process_count=layout[1],
+                                  align_documents=t.align_documents)
     batches.restore({"seed": t.seed, "index": state.step})
+    if t.align_documents:
+        sharding.log(f"align_documents: every row starts at a document start; {100 * batches.waste():.1f}% of "
+                     f"the tokens drawn are cut off at row ends (measured over 8 batches)")
     through = metrics_lib.Throughput(flops_per_token(m, m.block_size),
                                      metrics_lib.measure_matmul_tflops(rt.dtype),
                                      metrics_lib.vendor_peak_tflops(rt.dtype.name), mesh.size)
@@ -428,8 +436,9 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
 def copy_tokenizer_files(s: Setup, out: Path) -> None:
     """The tokenizer's files next to the checkpoints, so sampling needs nothing else."""
     if sharding.is_main_process():
-        for name in load_tokenizer(s.meta["tokenizer"], s.data_dir).files():
-            (out / name).write_bytes((s.data_dir / name).read_bytes())
+        folder = store.files_dir(s.data_dir, s.meta)
+        for name in load_tokenizer(s.meta["tokenizer"], folder).files():
+            (out / name).write_bytes((folder / name).read_bytes())
 
 
 def next_batch(run: Run) -> tuple[jax.Array, jax.Array]:

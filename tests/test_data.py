@@ -13,7 +13,9 @@ import pytest
 import gpt.data as data
 import gpt.corpus as corpus
 from gpt.corpus import resolve_inputs
-from gpt.data import FORMAT_VERSION, Batches, check_split_sizes, ensure_prepared, load_meta, prepare, token_dtype
+from gpt import store
+from gpt.batches import Batches
+from gpt.data import FORMAT_VERSION, check_split_sizes, ensure_prepared, load_meta, prepare, token_dtype
 from gpt.errors import UserError
 from helpers import MULTIBYTE, make_hf_tokenizer
 from gpt.tokenizer import TiktokenTokenizer, build_tokenizer, load_tokenizer
@@ -30,8 +32,14 @@ def write(path: Path, text: str | bytes) -> Path:
 
 
 def read_bin(d: Path, split: str) -> np.ndarray:
-    meta = json.loads((d / "meta.json").read_text())
-    return np.fromfile(d / f"{split}.bin", dtype=meta["dtype"])
+    """A split's tokens, all shards in order."""
+    meta = load_meta(d)
+    return np.concatenate([np.zeros(0, meta["dtype"])] + [np.asarray(a) for a in store.SplitTokens(d, meta, split).shards])
+
+
+def files(d: Path) -> Path:
+    """Where a data dir's tokenizer files are."""
+    return store.files_dir(d, load_meta(d))
 
 
 def leftovers(d: Path) -> list[str]:
@@ -56,9 +64,9 @@ def test_token_dtype():
 def test_char_matches_nanogpt_split(char_dir):
     meta = load_meta(char_dir)
     assert meta["format_version"] == FORMAT_VERSION and meta["dtype"] == "uint16"
-    assert meta["splits"]["train"] == {"tokens": 18_000, "bytes": 18_000}  # int(n * 0.9)
-    assert meta["splits"]["val"] == {"tokens": 2_000, "bytes": 2_000}
-    tok = load_tokenizer(meta["tokenizer"], char_dir)
+    assert meta["splits"]["train"] == {"tokens": 18_000, "bytes": 18_000, "documents": 1}  # int(n * 0.9)
+    assert meta["splits"]["val"] == {"tokens": 2_000, "bytes": 2_000, "documents": 0}  # cut inside it
+    tok = load_tokenizer(meta["tokenizer"], files(char_dir))
     assert tok.decode(read_bin(char_dir, "train")) + tok.decode(read_bin(char_dir, "val")) == SHAKESPEARE[:20_000]
     assert meta["sources"][0]["bytes"] == 20_000 and len(meta["sources"][0]["sha256"]) == 64
 
@@ -114,7 +122,7 @@ def test_uint32_for_large_vocab(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "build_tokenizer", lambda *a: big)
     src = write(tmp_path / "a.txt", SHAKESPEARE[:3000])
     meta = prepare([src], "gpt2", tmp_path / "out")
-    assert meta["dtype"] == "uint32" and (tmp_path / "out" / "train.bin").stat().st_size == 4 * meta["splits"]["train"]["tokens"]
+    assert meta["dtype"] == "uint32" and read_bin(tmp_path / "out", "train").nbytes == 4 * meta["splits"]["train"]["tokens"]
     x, _ = Batches(tmp_path / "out", "train", 8, 2, seed=0).next()
     assert x.min() >= 60_000
 
@@ -122,8 +130,8 @@ def test_uint32_for_large_vocab(tmp_path, monkeypatch):
 def test_bpe_prepare_writes_tokenizer_file(tmp_path):
     src = write(tmp_path / "a.txt", SHAKESPEARE[:60_000])
     meta = prepare([src], "bpe:300", tmp_path / "out")
-    assert meta["vocab_size"] == 301 and (tmp_path / "out" / "tokenizer.tiktoken").is_file()
-    tok = load_tokenizer(meta["tokenizer"], tmp_path / "out")
+    assert meta["vocab_size"] == 301 and (files(tmp_path / "out") / "tokenizer.tiktoken").is_file()
+    tok = load_tokenizer(meta["tokenizer"], files(tmp_path / "out"))
     assert tok.decode(read_bin(tmp_path / "out", "train").tolist()) == SHAKESPEARE[:54_000]
 
 
@@ -135,7 +143,7 @@ def test_multibyte_corpus_prepares_with_tiny_pieces(tmp_path, monkeypatch, token
     src = write(tmp_path / "m.txt", MULTIBYTE)
     for frac in (0.1, 0.37, 0.5):
         meta = prepare([src], name, tmp_path / f"out{frac}", val_fraction=frac)
-        tok = load_tokenizer(meta["tokenizer"], tmp_path / f"out{frac}")
+        tok = load_tokenizer(meta["tokenizer"], files(tmp_path / f"out{frac}"))
         parts = [tok.decode(read_bin(tmp_path / f"out{frac}", s).tolist()) for s in ("train", "val")]
         assert "".join(parts) == MULTIBYTE
         if tokenizer == "char":  # exact anywhere
@@ -150,8 +158,8 @@ def test_hf_tokenizer_prepare_documents_and_cache(tmp_path):
     (tmp_path / "model" / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     a, b = write(tmp_path / "a.txt", SHAKESPEARE[:20_000]), write(tmp_path / "b.txt", SHAKESPEARE[20_000:30_000])
     meta = prepare([a, b], f"hf:{hf}", tmp_path / "out", val_fraction=0.0, workers=2, backend="process")
-    tok = load_tokenizer(meta["tokenizer"], tmp_path / "out")
-    assert meta["tokenizer"]["kind"] == "hf" and (tmp_path / "out" / "tokenizer.json").is_file()
+    tok = load_tokenizer(meta["tokenizer"], files(tmp_path / "out"))
+    assert meta["tokenizer"]["kind"] == "hf" and (files(tmp_path / "out") / "tokenizer.json").is_file()
     want = tok.encode(SHAKESPEARE[:20_000]) + [2] + tok.encode(SHAKESPEARE[20_000:30_000])
     assert read_bin(tmp_path / "out", "train").tolist() == want
     d1 = ensure_prepared([a], f"hf:{hf}", tmp_path / "cache")
@@ -211,7 +219,7 @@ def test_bad_input_is_user_error_and_leaves_nothing(tmp_path, case, match):
 def test_errors_replace(tmp_path):
     src = write(tmp_path / "bad.txt", b"caf\xc3\xa9 \xff ok\n")
     meta = prepare([src], "char", tmp_path / "out", errors="replace", val_fraction=0.0)
-    tok = load_tokenizer(meta["tokenizer"], tmp_path / "out")
+    tok = load_tokenizer(meta["tokenizer"], files(tmp_path / "out"))
     assert tok.decode(read_bin(tmp_path / "out", "train")) == "café \ufffd ok\n"
 
 
@@ -224,23 +232,32 @@ def test_unwritable_out_dir(tmp_path):
         prepare([src], "char", blocker)
 
 
+def tree(d: Path) -> dict:
+    """Every file under d (but staging dirs) with its bytes."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file() and not p.relative_to(d).parts[0].startswith(".prepare-")}
+
+
 def test_failure_keeps_previous_data_and_no_partial_output(tmp_path, monkeypatch):
     src = write(tmp_path / "a.txt", SHAKESPEARE[:5000])
     out = tmp_path / "out"
     old_meta = prepare([src], "char", out)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = tree(out)
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "_tokenize_to_files", boom)
+    monkeypatch.setattr(data, "_tokenize_jobs", boom)
     with pytest.raises(KeyboardInterrupt):
         prepare([src], "gpt2", out)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # untouched, no staging dir left
-    assert load_meta(out) == old_meta
+    assert tree(out) == before and load_meta(out) == old_meta  # the old store, untouched
     with pytest.raises(KeyboardInterrupt):
         prepare([src], "gpt2", tmp_path / "fresh")
-    assert not (tmp_path / "fresh").exists()
+    assert not (tmp_path / "fresh" / "meta.json").exists()  # only the staging dir, to resume from
+    monkeypatch.setattr(data, "_tokenize_jobs", lambda *a, **k: (_ for _ in ()).throw(UserError("bad record")))
+    with pytest.raises(UserError):
+        prepare([src], "gpt2", tmp_path / "fresh2")
+    assert not (tmp_path / "fresh2").exists()  # bad input: nothing left behind
 
 
 # ----- meta checks
@@ -258,68 +275,10 @@ def test_load_meta_and_split_sizes(tmp_path, char_dir):
     assert "val split has 2000 tokens" in str(e.value) and "at least 2001" in str(e.value)
     broken = tmp_path / "broken"
     shutil.copytree(char_dir, broken)
-    (broken / "val.bin").write_bytes(b"\x00\x00")
+    shard = store.files_dir(broken, meta) / meta["shards"]["val"][0]["file"]
+    shard.write_bytes(b"\x00\x00")
     with pytest.raises(UserError, match="does not match meta.json"):
         load_meta(broken)
-
-
-# ----- batches
-
-def test_batches_are_shifted_windows(char_dir):
-    b = Batches(char_dir, "train", block_size=32, batch_size=6, seed=3)
-    mm = np.fromfile(char_dir / "train.bin", dtype=np.uint16)
-    offsets = b.offsets(0)
-    x, y = b.next()
-    assert x.shape == y.shape == (6, 32) and x.dtype == y.dtype == np.int32
-    for row, o in enumerate(offsets):
-        assert (x[row] == mm[o:o + 32]).all() and (y[row] == mm[o + 1:o + 33]).all()
-    assert b.state() == {"seed": 3, "index": 1}
-
-
-def test_batch_offsets_stay_in_range(tmp_path):
-    src = write(tmp_path / "a.txt", "abcdefghij" * 2)
-    prepare([src], "char", tmp_path / "out", val_fraction=0.5)  # 10 tokens per split
-    b = Batches(tmp_path / "out", "val", block_size=9, batch_size=16, seed=0)
-    x, y = b.next()  # n_tokens == block_size + 1: the only window starts at 0
-    assert (x == x[0]).all() and (y[:, :-1] == x[:, 1:]).all()
-    b = Batches(tmp_path / "out", "train", block_size=5, batch_size=64, seed=0)
-    assert {int(o) for i in range(20) for o in b.offsets(i)} == set(range(5))  # 0 .. n - block_size - 1
-    with pytest.raises(UserError, match="at least 11"):
-        Batches(tmp_path / "out", "train", block_size=10, batch_size=1, seed=0)
-
-
-def test_state_round_trip(char_dir):
-    a = Batches(char_dir, "train", 16, 4, seed=7)
-    for _ in range(3):
-        a.next()
-    state = json.loads(json.dumps(a.state()))
-    want = [a.next() for _ in range(2)]
-    b = Batches(char_dir, "train", 16, 4, seed=0)
-    b.restore(state)
-    for (x1, y1), (x2, y2) in zip(want, [b.next() for _ in range(2)]):
-        assert (x1 == x2).all() and (y1 == y2).all()
-    with pytest.raises(UserError, match="malformed"):
-        b.restore({"index": 1})
-
-
-def test_process_slices_partition_the_global_batch(char_dir):
-    single = [Batches(char_dir, "train", 16, 8, seed=1).next() for _ in range(1)][0]
-    parts = [Batches(char_dir, "train", 16, 8, seed=1, process_index=i, process_count=4) for i in range(4)]
-    xs = [p.next()[0] for p in parts]
-    assert all(x.shape == (2, 16) for x in xs)
-    assert (np.concatenate(xs) == single[0]).all()
-    rows = [set(range(i * 2, i * 2 + 2)) for i in range(4)]  # rows each process owns: disjoint
-    assert sum(len(r) for r in rows) == len(set().union(*rows)) == 8
-    with pytest.raises(UserError, match="not divisible"):
-        Batches(char_dir, "train", 16, 6, seed=1, process_count=4)
-    with pytest.raises(UserError, match="split"):
-        Batches(char_dir, "test", 16, 8, seed=1)
-
-
-def test_iter(char_dir):
-    it = iter(Batches(char_dir, "val", 8, 2, seed=0))
-    x, y = next(it)
-    assert x.shape == (2, 8)
 
 
 # ----- caching and defaults
@@ -411,7 +370,7 @@ def test_record_formats_round_trip(tmp_path, suffix, frac):
     assert meta["sources"][0]["format"] == suffix and meta["skipped_records"] == 0
     assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == len("".join(DOCS).encode())
     meta = prepare([src], "char", tmp_path / "char", val_fraction=frac)  # no end-of-text: concatenated
-    tok = load_tokenizer(meta["tokenizer"], tmp_path / "char")
+    tok = load_tokenizer(meta["tokenizer"], files(tmp_path / "char"))
     assert tok.decode(all_tokens(tmp_path / "char")) == "".join(DOCS)
 
 
@@ -561,9 +520,10 @@ def test_huge_record_is_cut_into_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "CHUNK_BYTES", 500)
     text = SHAKESPEARE[:6000] + MULTIBYTE * 20
     src = write_format(tmp_path / "h.jsonl", [text, "short"])
-    pieces = list(corpus.iter_corpus(corpus.make_sources([src]), corpus.Reading(), cut=10**9, eot=True))
-    assert len(pieces) > 10 and all(n <= 500 for _, n, _ in pieces)
-    assert "".join(t for _, _, t in pieces if t) == text + "short" and pieces[-2][2] is None
+    pieces = list(corpus.iter_corpus(corpus.make_sources([src]), corpus.Reading(), 10**9))
+    assert len(pieces) > 10 and all(n <= 500 for _, n, _, _ in pieces)
+    assert "".join(t for _, _, t, _ in pieces) == text + "short"
+    assert [new for _, _, _, new in pieces] == [True] + [False] * (len(pieces) - 2) + [True]
     prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0)
     assert GPT2.decode(all_tokens(tmp_path / "out")) == text + "<|endoftext|>short"
 
@@ -574,6 +534,83 @@ def test_cache_key_covers_text_field(tmp_path):
     d1 = ensure_prepared([src], "char", tmp_path / "cache", text_field="body")
     assert ensure_prepared([src], "char", tmp_path / "cache", text_field="body") == d1
     assert ensure_prepared([tmp_path / "in" / "b.jsonl"], "char", tmp_path / "cache") != d1
-    key = {"val_fraction": 0.1, "include": "*", "errors": "strict"}
-    assert data.cache_key([src], "char", text_field="body", **key) != \
-        data.cache_key([src], "char", text_field="text", **key)
+    assert data.cache_key([src], data.Settings("char", text_field="body")) != \
+        data.cache_key([src], data.Settings("char", text_field="text"))
+
+
+# ----- token shards: streaming, splits by document, resume, append
+
+MANY = [SHAKESPEARE[i * 700:(i + 1) * 700] for i in range(60)]  # 60 documents of 700 bytes
+
+
+def shard_counts(meta: dict) -> tuple[int, int]:
+    return len(meta["shards"]["train"]), len(meta["shards"]["val"])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_shards_concatenate_to_the_whole_corpus(tmp_path, monkeypatch, workers):
+    monkeypatch.setattr(data, "CHUNK_BYTES", 2000)  # jobs of ~3 documents: shards can close often
+    monkeypatch.setattr(data, "MIN_PARALLEL_BYTES", 0)
+    src = write_format(tmp_path / "docs.jsonl", MANY)
+    meta = prepare([src], "gpt2", tmp_path / "out", shard_tokens=500, val_documents=6, workers=workers)
+    assert shard_counts(meta)[0] >= 5 and all_tokens(tmp_path / "out") == want_gpt2(MANY)
+    assert meta["splits"]["train"]["documents"] == 54 and meta["splits"]["val"]["documents"] == 6
+    assert GPT2.decode(read_bin(tmp_path / "out", "val")) == "<|endoftext|>" + "<|endoftext|>".join(MANY[-6:])
+    starts = store.SplitTokens(tmp_path / "out", meta, "train").starts
+    shards = store.SplitTokens(tmp_path / "out", meta, "train").shards
+    heads = [int(sh[s]) for sh, st in zip(shards, starts) for s in st]
+    assert len(heads) == 54 and heads[0] != 50256 and set(heads[1:]) == {50256}  # eot opens each later doc
+
+
+def test_whole_documents_go_to_val(tmp_path):
+    srcs = [write(tmp_path / f"in/{i:02d}.txt", d) for i, d in enumerate(MANY[:10])]
+    meta = prepare([tmp_path / "in"], "char", tmp_path / "out", val_fraction=0.25)
+    tok = load_tokenizer(meta["tokenizer"], files(tmp_path / "out"))
+    assert tok.decode(read_bin(tmp_path / "out", "val")) == "".join(MANY[7:10])  # ends past 75%: 3 whole files
+    assert meta["splits"]["val"]["documents"] == 3 and len(srcs) == 10
+    with pytest.raises(UserError, match="val_documents=10 leaves no training text.*10 document"):
+        prepare([tmp_path / "in"], "char", tmp_path / "out2", val_documents=10)
+
+
+def test_interrupted_prepare_resumes_from_the_last_complete_shard(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CHUNK_BYTES", 2000)
+    src = write_format(tmp_path / "docs.jsonl", MANY)
+    args = dict(shard_tokens=500, val_documents=6, workers=1)
+    whole = prepare([src], "gpt2", tmp_path / "whole", **args)
+    calls, real = [], data.encode_job
+
+    def dies_at_job_8(*a):
+        calls.append(1)
+        if len(calls) == 8:
+            raise KeyboardInterrupt  # as a kill would, mid-way
+        return real(*a)
+
+    monkeypatch.setattr(data, "encode_job", dies_at_job_8)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([src], "gpt2", tmp_path / "out", **args)
+    assert not (tmp_path / "out" / "meta.json").exists()
+    calls.clear()
+    monkeypatch.setattr(data, "encode_job", lambda *a: calls.append(1) or real(*a))
+    meta = prepare([src], "gpt2", tmp_path / "out", **args)
+    n_jobs = len(list(data.make_jobs(data.iter_corpus(data.make_sources([src]), data.Reading(), 10**9), True)))
+    assert 0 < len(calls) < n_jobs - 3  # only the jobs after the last complete shard
+    assert {k: v for k, v in meta.items() if k != "store"} == {k: v for k, v in whole.items() if k != "store"}
+    assert all_tokens(tmp_path / "out") == all_tokens(tmp_path / "whole")
+    assert [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")] == []
+
+
+def test_append_adds_new_files_as_shards(tmp_path):
+    a = write_format(tmp_path / "in" / "a.jsonl", MANY[:30])
+    b = write_format(tmp_path / "in" / "b.jsonl", MANY[30:])
+    first = prepare([a], "gpt2", tmp_path / "out", val_documents=3)
+    meta = prepare([tmp_path / "in"], None, tmp_path / "out", val_documents=3, append=True)  # a is skipped
+    assert meta["store"] == first["store"] and [s["path"] for s in meta["sources"]] == [str(a), str(b)]
+    assert shard_counts(meta) == (2, 2) and meta["splits"]["val"]["documents"] == 6
+    assert GPT2.decode(read_bin(tmp_path / "out", "train")).count("<|endoftext|>") == 52  # 2 x 27 docs
+    with pytest.raises(UserError, match="already in"):
+        prepare([b], None, tmp_path / "out", append=True)
+    with pytest.raises(UserError, match="not the tokenizer"):
+        prepare([write(tmp_path / "c.txt", "more")], "char", tmp_path / "out", append=True)
+    with pytest.raises(UserError, match="holds none"):
+        prepare([b], "gpt2", tmp_path / "nothing", append=True)
+    assert load_meta(tmp_path / "out") == meta

@@ -77,10 +77,10 @@ def test_bpe_tokenizer_travels_from_input_to_sampling(tmp_path):
     assert len(prepared) == 1
     meta = json.loads((prepared[0] / "meta.json").read_text())
     assert meta["tokenizer"]["kind"] == "bpe" and meta["vocab_size"] == 301  # 300 + <|endoftext|>
-    stamp = (prepared[0] / "train.bin").stat().st_mtime_ns
+    stamp = (prepared[0] / "meta.json").stat().st_mtime_ns
     r2 = subprocess.run([*args, f"--out_dir={tmp_path / 'o2'}"], cwd=REPO, capture_output=True,
                         text=True, timeout=300, env=env)
-    assert r2.returncode == 0 and (prepared[0] / "train.bin").stat().st_mtime_ns == stamp  # cached
+    assert r2.returncode == 0 and (prepared[0] / "meta.json").stat().st_mtime_ns == stamp  # cached
     assert (tmp_path / "o" / "tokenizer.tiktoken").exists()
     s = subprocess.run([sys.executable, "sample.py", f"--out_dir={tmp_path / 'o'}", "--prompt=KING",
                         "--max_new_tokens=20"], cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -60,7 +60,7 @@ def _make_state(data_dir, mesh_spec: str):
     import jax
     from flax import nnx
 
-    from gpt import data as data_lib
+    from gpt.batches import Batches
     from gpt import sharding
     from gpt.model import GPT
     from gpt.train import make_optimizer, make_train_step
@@ -78,7 +78,7 @@ def _make_state(data_dir, mesh_spec: str):
     step = jax.jit(make_train_step(graphdef, tx, 0, train_mode=False),
                    in_shardings=(p_shard, o_shard, None, x_shard, x_shard),
                    out_shardings=(p_shard, o_shard, None, None))
-    x, y = data_lib.Batches(data_dir, "train", m.block_size, t.batch_size, seed=0).next()
+    x, y = Batches(data_dir, "train", m.block_size, t.batch_size, seed=0).next()
     shape = (1, t.batch_size, m.block_size)
     params, opt, _, _ = step(params, opt, 0, sharding.global_batch(x[None], x_shard, shape),
                              sharding.global_batch(y[None], x_shard, shape))

@@ -1,0 +1,154 @@
+"""Batches: random training windows, or document-aligned packed rows, from a prepared token store.
+
+Batch i is a pure function of (seed, i), so the loader's state is two integers (saved in
+checkpoints as JSON), a resumed run sees exactly the batches it would have seen, and each
+process of a multi-host run computes only its own rows of the same global batch.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from gpt import store
+from gpt.data import SPLITS, check_int, check_split_sizes, load_meta
+from gpt.errors import UserError
+
+PACK_POOL = 64  # documents a row is packed from (best fit); more fit better and cost more
+
+
+class Batches:
+    """Random (x, y) windows from one split of a prepared data dir.
+
+    Batch i uses ``np.random.default_rng([seed, i])`` to draw the offsets of the whole *global*
+    batch, and this process keeps rows [process_index*B/P, (process_index+1)*B/P): every process
+    agrees on the global batch without communicating, and the state is just {seed, index}. A
+    window lies in one shard; the offsets are uniform over all windows of all shards (for one
+    shard, as before shards existed: old data dirs give the same batches).
+
+    align_documents: every row starts at a document start instead, packed best-fit as nanochat
+    does: row r of batch i draws PACK_POOL documents with ``default_rng([seed, i, r])`` and
+    repeatedly takes the longest that fits the space left; when none fits, the shortest is cut
+    to fill the row. `cropped`/`drawn` count the tokens cut off and the tokens taken.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, split: str, block_size: int, batch_size: int, *,
+                 seed: int, process_index: int = 0, process_count: int = 1, align_documents: bool = False):
+        if split not in SPLITS:
+            raise UserError(f"split {split!r} is not valid; use train or val")
+        self.block_size = check_int("block_size", block_size, 1)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.seed = check_int("seed", seed, 0)
+        self.process_count = check_int("process_count", process_count, 1)
+        self.process_index = check_int("process_index", process_index, 0)
+        if self.process_index >= self.process_count:
+            raise UserError(f"process_index={process_index} must be < process_count={process_count}")
+        if self.batch_size % self.process_count:
+            raise UserError(f"batch_size={batch_size} (global) is not divisible by the {process_count} "
+                            f"processes; use a multiple of {process_count}")
+        self.data_dir = Path(data_dir)
+        self.split = split
+        self.meta = load_meta(self.data_dir)
+        check_split_sizes(self.meta, self.block_size)
+        self.tokens = store.SplitTokens(self.data_dir, self.meta, split)
+        self.shards = self.tokens.shards
+        self.n_tokens = self.tokens.n_tokens
+        windows = np.array([max(int(s.shape[0]) - self.block_size, 0) for s in self.shards], np.int64)
+        self.window_ends = np.cumsum(windows)  # windows of shards 0..k
+        self.docs = _document_table(self.tokens, self.data_dir) if align_documents else None
+        self.local_batch_size = self.batch_size // self.process_count
+        self.index = 0
+        self.cropped = self.drawn = 0
+
+    def offsets(self, index: int) -> np.ndarray:
+        """Window starts of the global batch `index`, numbered across shards."""
+        rng = np.random.default_rng([self.seed, index])
+        return rng.integers(0, int(self.window_ends[-1]), size=self.batch_size)
+
+    def _window(self, o: int) -> np.ndarray:
+        k = int(np.searchsorted(self.window_ends, o, side="right"))
+        local = o - (int(self.window_ends[k - 1]) if k else 0)
+        return self.shards[k][local:local + self.block_size + 1]
+
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        """This process's rows of the next batch: int32 x, y of shape [B_local, block_size]."""
+        lo = self.process_index * self.local_batch_size
+        if self.docs is None:
+            offs = self.offsets(self.index)[lo:lo + self.local_batch_size]
+            windows = np.stack([self._window(int(o)) for o in offs]).astype(np.int32)
+        else:
+            windows = np.stack([self._packed_row(self.index, r) for r in range(lo, lo + self.local_batch_size)])
+        self.index += 1
+        return windows[:, :-1], windows[:, 1:]
+
+    def _packed_row(self, index: int, row: int) -> np.ndarray:
+        """Row `row` of batch `index`: whole documents packed best-fit, the last one cut to fit."""
+        shard_of, start_of, length_of = self.docs
+        rng = np.random.default_rng([self.seed, index, row])
+        pool = rng.integers(0, len(length_of), size=PACK_POOL)
+        lengths = length_of[pool].astype(np.int64)
+        out, space = np.empty(self.block_size + 1, np.int32), self.block_size + 1
+        while space:
+            if not lengths.any():  # every document of the pool used: draw more
+                pool = rng.integers(0, len(length_of), size=PACK_POOL)
+                lengths = length_of[pool].astype(np.int64)
+                continue
+            fits = np.where(lengths <= space, lengths, 0)
+            i = int(np.argmax(fits)) if fits.max() > 0 else int(np.argmin(np.where(lengths > 0, lengths, 1 << 62)))
+            take = min(int(lengths[i]), space)
+            s, at = int(shard_of[pool[i]]), int(start_of[pool[i]])
+            out[self.block_size + 1 - space:][:take] = self.shards[s][at:at + take]
+            self.cropped += int(lengths[i]) - take
+            self.drawn += take
+            space -= take
+            lengths[i] = 0  # used
+        return out
+
+    def waste(self, n_batches: int = 8) -> float:
+        """The share of the tokens drawn that packing cuts off, over the next `n_batches` batches
+        (without consuming them); 0 for unaligned windows."""
+        if self.docs is None:
+            return 0.0
+        saved = self.cropped, self.drawn
+        self.cropped = self.drawn = 0
+        lo = self.process_index * self.local_batch_size
+        for i in range(self.index, self.index + n_batches):
+            for r in range(lo, lo + self.local_batch_size):
+                self._packed_row(i, r)
+        share = self.cropped / max(self.cropped + self.drawn, 1)
+        self.cropped, self.drawn = saved
+        return share
+
+    __next__ = next
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def state(self) -> dict:
+        return {"seed": self.seed, "index": self.index}
+
+    def restore(self, state: dict) -> None:
+        if not isinstance(state, dict) or "seed" not in state or "index" not in state:
+            raise UserError(f"data loader state {state!r} is malformed (needs seed and index); "
+                            f"the checkpoint may be corrupt")
+        self.seed = check_int("seed", state["seed"], 0)
+        self.index = check_int("index", state["index"], 0)
+
+
+def _document_table(tokens: store.SplitTokens, data_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every document of the split as (shard, start, length) arrays; a document ends at the next
+    one's start or its shard's end (a document continued from the previous shard is its own)."""
+    if tokens.starts is None:
+        raise UserError(f"{str(data_dir)!r} has no document index (a single-file data dir, format version 1), "
+                        f"which --align_documents needs; prepare the data again with python -m gpt.data")
+    shard_of, start_of, length_of = [], [], []
+    for k, (shard, starts) in enumerate(zip(tokens.shards, tokens.starts)):
+        ends = np.append(starts[1:], shard.shape[0])
+        shard_of.append(np.full(starts.size, k, np.int32))
+        start_of.append(starts)
+        length_of.append(ends - starts)
+    lengths = np.concatenate(length_of)
+    if not lengths.size or lengths.max() == 0:
+        raise UserError(f"{str(data_dir)!r} has no documents in this split; --align_documents needs some")
+    return np.concatenate(shard_of), np.concatenate(start_of), lengths

@@ -1,0 +1,113 @@
+"""Token store: shards close at document starts, publishing is atomic at every step, meta.json
+cannot point outside its store, and version 1 data dirs still load."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpt.store as store
+from gpt.batches import Batches
+from gpt.data import load_meta, prepare
+from gpt.errors import UserError
+from test_data import SHAKESPEARE, read_bin, tree, write
+
+
+def test_shard_writer_closes_at_document_starts(tmp_path):
+    w = store.ShardWriter(tmp_path, np.uint16, shard_tokens=10)
+    w.write("train", 0, np.arange(6), [0, 4])
+    w.write("train", 1, np.arange(6), [3])  # 12 tokens: the shard closes at the next job's document start
+    w.write("train", 2, np.arange(5), [0])
+    w.write("train", 3, np.arange(50), [])  # one long document: cut only past 4x shard_tokens
+    w.write("train", 4, np.arange(3), [])
+    w.write("val", 5, np.arange(4), [0])
+    shards = w.finish(6)
+    assert [(s["file"], s["tokens"], s["documents"]) for s in shards["train"]] == \
+        [("train-00000.bin", 12, 3), ("train-00001.bin", 55, 1), ("train-00002.bin", 3, 0)]
+    assert [s["tokens"] for s in shards["val"]] == [4]
+    assert np.fromfile(tmp_path / "train-00000.docs", "<u8").tolist() == [0, 4, 9]
+    assert np.fromfile(tmp_path / "train-00000.bin", np.uint16).tolist() == list(range(6)) * 2
+
+
+def _store(tmp_path: Path, text: str, name: str = "out") -> tuple[Path, dict]:
+    src = write(tmp_path / f"{name}.txt", text)
+    return tmp_path / name, prepare([src], "char", tmp_path / name)
+
+
+@pytest.mark.parametrize("fail", ["rename_store", "write_meta", "remove_old"])
+def test_publish_is_atomic_at_every_step(tmp_path, monkeypatch, fail):
+    """A crash at any step of publishing leaves either the old store or the new one, complete."""
+    out, old = _store(tmp_path, SHAKESPEARE[:3000])
+    before = tree(out)
+    src = write(tmp_path / "new.txt", SHAKESPEARE[3000:9000])
+    real_replace, real_rmtree, real_remove_old = os.replace, store.shutil.rmtree, store._remove_old
+
+    def crash(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    if fail == "rename_store":
+        monkeypatch.setattr(store.os, "replace", lambda a, b: crash() if Path(b).name.startswith("store-")
+                            else real_replace(a, b))
+    elif fail == "write_meta":
+        monkeypatch.setattr(store, "atomic_write_bytes", crash)
+    else:
+        monkeypatch.setattr(store.shutil, "rmtree", crash)
+        with pytest.raises(OSError):  # the commit happened; removing the old store failed
+            store._remove_old(out, None, keep="none")
+        monkeypatch.setattr(store.shutil, "rmtree", real_rmtree)
+        monkeypatch.setattr(store, "_remove_old", lambda *a, **k: None)  # as if killed right after the commit
+    if fail == "remove_old":
+        new = prepare([src], "char", out)
+        assert load_meta(out) == new and read_bin(out, "train").size == new["splits"]["train"]["tokens"]
+        assert len(list(out.glob("store-*"))) == 2  # the old one is left over, harmlessly
+        monkeypatch.setattr(store, "_remove_old", real_remove_old)
+        prepare([src], "char", out, val_fraction=0.2)  # the next publish removes leftovers
+        assert len(list(out.glob("store-*"))) == 1
+        return
+    with pytest.raises(UserError, match="No space left"):
+        prepare([src], "char", out)
+    assert load_meta(out) == old and tree(out) == before
+
+
+def test_meta_json_cannot_point_outside_the_store(tmp_path):
+    out, meta = _store(tmp_path, SHAKESPEARE[:3000])
+    secret = write(tmp_path / "secret.bin", b"\x00" * 8)
+    for store_name, shard in [("..", None), ("/tmp", None), (meta["store"], "../../secret.bin"),
+                              (meta["store"], str(secret)), (meta["store"], "train-00000.docs")]:
+        bad = json.loads(json.dumps(meta))
+        bad["store"] = store_name
+        if shard:
+            bad["shards"]["train"][0]["file"] = shard
+        (out / "meta.json").write_text(json.dumps(bad))
+        with pytest.raises(UserError, match="not a store dir of ours|not a shard of ours"):
+            load_meta(out)
+    for field, value in [("tokens", -1), ("tokens", "12"), ("documents", True)]:
+        bad = json.loads(json.dumps(meta))
+        bad["shards"]["train"][0][field] = value
+        (out / "meta.json").write_text(json.dumps(bad))
+        with pytest.raises(UserError, match="not a count"):
+            load_meta(out)
+    (out / "meta.json").write_text(json.dumps({**meta, "format_version": 3}))
+    with pytest.raises(UserError, match="update this code"):
+        load_meta(out)
+
+
+def test_version_1_data_dir_still_loads_with_the_same_batches(tmp_path):
+    out, meta = _store(tmp_path, SHAKESPEARE[:6000])
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    for split in ("train", "val"):
+        read_bin(out, split).tofile(v1 / f"{split}.bin")
+    old = {k: meta[k] for k in ("tokenizer", "vocab_size", "dtype", "sources", "val_fraction")}
+    old["splits"] = {s: {k: meta["splits"][s][k] for k in ("tokens", "bytes")} for s in ("train", "val")}
+    (v1 / "meta.json").write_text(json.dumps({"format_version": 1, **old}))
+    a, b = Batches(out, "train", 16, 8, seed=3), Batches(v1, "train", 16, 8, seed=3)
+    for _ in range(3):
+        assert all((p == q).all() for p, q in zip(a.next(), b.next()))
+    with pytest.raises(UserError, match="no document index"):
+        Batches(v1, "train", 16, 8, seed=3, align_documents=True)
+    new = prepare([tmp_path / "out.txt"], "char", v1)  # re-preparing a version 1 dir replaces its files
+    assert sorted(p.name for p in v1.iterdir()) == ["meta.json", new["store"]]
