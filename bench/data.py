@@ -12,7 +12,7 @@ with gpt2 and char, each on a spawn process pool (the default), a thread pool an
 (documents of 0.2-8 KB cut from the same text, 100 MB of text per file) with gpt2 on the default
 pool. The 1.1 MB cases run inline (too small to be worth starting workers). Every prepare runs
 in a fresh subprocess so its peak RSS (shows that preparation streams) is its own; "peak RSS" is
-that of the main process plus each worker's (the largest worker's times the worker count).
+the largest sum of the resident memory of the main process and its workers (sampled every 50 ms).
 MB/s are MB of text (uncompressed) per second. Prints a table, then one JSON line with all figures.
 """
 from __future__ import annotations
@@ -32,22 +32,43 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 CHILD = r"""
-import json, sys, time
+import json, os, sys, threading, time
 sys.path.insert(0, {repo!r})
 from gpt.data import prepare
+
+def rss_kb(pid):
+    try:
+        with open(f"/proc/{{pid}}/status") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+    except (OSError, StopIteration):
+        return 0
+
+def children(pid):  # of every thread: a pool may start its workers from another thread
+    found = []
+    for tid in os.listdir(f"/proc/{{pid}}/task"):
+        try:
+            found += [int(c) for c in open(f"/proc/{{pid}}/task/{{tid}}/children").read().split()]
+        except OSError:
+            pass
+    return found
+
+peak = [0]
+def watch():  # the largest total resident memory of this process and its workers, every 50 ms
+    me = os.getpid()
+    while True:
+        peak[0] = max(peak[0], rss_kb(me) + sum(rss_kb(c) for c in children(me)))
+        time.sleep(0.05)
+
+threading.Thread(target=watch, daemon=True).start()
 t0 = time.perf_counter()
 meta = prepare({inputs!r}, {tokenizer!r}, {out!r}, workers={workers!r}, backend={backend!r})
 dt = time.perf_counter() - t0
-mb = sum(s["bytes"] for s in meta["sources"]) / 1e6
-tokens = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
 mb = sum(meta["splits"][s]["bytes"] for s in ("train", "val")) / 1e6
+tokens = meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"]
 # VmHWM, not ru_maxrss: the latter survives exec and would report the parent's peak.
-rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
-import resource
-worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest finished worker
-n = {workers!r} or 1
-print(json.dumps({{"seconds": dt, "mb": mb, "tokens": tokens, "main_rss_mb": rss, "worker_rss_mb": worker,
-                  "peak_rss_mb": rss + (n * worker if n > 1 else 0)}}))
+main = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
+print(json.dumps({{"seconds": dt, "mb": mb, "tokens": tokens, "main_rss_mb": main,
+                  "peak_rss_mb": max(peak[0] / 1024, main)}}))
 """
 
 
@@ -101,7 +122,8 @@ def make_record_corpus(folder: Path, target_mb: int, fmt: str, file_mb: int = 10
             docs.append(f"[{part}.{len(docs)}] " + text[at:at + n])
             size += len(docs[-1].encode())
         if fmt == "parquet":
-            pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), folder / f"part{part:03d}.parquet")
+            pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), folder / f"part{part:03d}.parquet",
+                           row_group_size=1024)  # as FineWeb and nanochat shards
         else:
             with gzip.open(folder / f"part{part:03d}.jsonl.gz", "wt", encoding="utf-8", compresslevel=1) as f:
                 f.writelines(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs))
@@ -145,16 +167,19 @@ def text_cases(tmp: Path, args, rows: list) -> dict:
 
 
 def record_cases(tmp: Path, args, rows: list) -> None:
-    """Parquet and JSONL.gz corpora of --records_mb MB of text, gpt2 on the default pool."""
+    """Parquet and JSONL.gz corpora of --records_mb MB of text, gpt2 on the default pool; kept in
+    --corpus_dir if given (generated once, so a second run times only the preparation)."""
     for fmt in ("parquet", "jsonl.gz"):
-        folder = tmp / fmt
-        folder.mkdir()
-        nbytes = make_record_corpus(folder, args.records_mb, fmt)
+        folder = Path(args.corpus_dir or tmp) / f"{fmt}-{args.records_mb}"
+        if not folder.is_dir():
+            folder.mkdir(parents=True)
+            make_record_corpus(folder, args.records_mb, fmt)
         disk = sum(f.stat().st_size for f in folder.iterdir())
         res = run_prepare([str(folder)], "gpt2", tmp / f"out_{fmt}", args.workers, "auto", args.repeat)
-        rows.append((f"{fmt} {nbytes / 1e6:.0f} MB text ({disk / 1e6:.0f} MB on disk), gpt2", res))
-        shutil.rmtree(folder)
+        rows.append((f"{fmt} {res['mb']:.0f} MB text ({disk / 1e6:.0f} MB on disk), gpt2", res))
         shutil.rmtree(tmp / f"out_{fmt}")
+        if not args.corpus_dir:
+            shutil.rmtree(folder)
 
 
 def main() -> None:
@@ -164,6 +189,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="report the best of this many runs per case")
     ap.add_argument("--records_mb", type=int, default=0, help="also Parquet and JSONL.gz corpora of this many MB")
     ap.add_argument("--skip_text", action="store_true", help="only the --records_mb cases")
+    ap.add_argument("--corpus_dir", default="", help="keep the generated record corpora here, and reuse them")
     args = ap.parse_args()
     rows: list[tuple[str, dict]] = []
     extra: dict = {}

@@ -10,19 +10,20 @@ Choices, and why:
   standard library, streaming. A record that is not JSON, lacks the field or holds no string
   there is a UserError naming file and line/row, or with `skip_bad_records` is skipped and
   counted (meta.json's skipped_records). Folders take every supported suffix by default.
-- Split: the corpus is the concatenation of the input files, in order; the last `val_fraction`
-  of its *bytes on disk* is the validation split (nanoGPT's ``data[:int(n*0.9)]``; for the
-  bundled Shakespeare with the char tokenizer this gives nanoGPT's exact 1,003,854 / 111,540
-  tokens). In .txt files the cut is exact, moved back to the nearest character boundary.
-  Compressed and record files do not tell their text size before they are read, so there a
-  piece or record is val once the file's on-disk position (compressed bytes read, a line's end,
-  rows read as a share of the file) passes the cut: records go to val whole, and the split is
-  an estimate (see `_source_pieces`). Cutting by bytes lets us decide the split before
-  tokenizing, so everything streams in one pass. The split byte counts in meta.json are bytes of
-  UTF-8 text (what bits per byte divide by); the source sizes are on disk.
-- Documents: files and records are documents; where the tokenizer has an end-of-text token it is
-  written *between* non-empty documents (not after the last), in the split where the next one
-  starts.
+- Split (`SplitRule`): whole documents go to val. The corpus is the concatenation of the input
+  files, in order; with --val_fraction the documents that end past its last `val_fraction` of
+  *bytes on disk* are val, with --val_documents=N the last N documents. Cutting by bytes or
+  counts decides the split before tokenizing, so everything streams in one pass (counting
+  documents for --val_documents is a cheap pre-pass: Parquet footers, JSONL lines). A corpus
+  of one text document (the bundled Shakespeare) cannot be split by document, so there the cut
+  falls inside it, exactly at the byte for .txt (moved back to a character boundary): nanoGPT's
+  ``data[:int(n*0.9)]``, which for Shakespeare with the char tokenizer gives nanoGPT's exact
+  1,003,854 / 111,540 tokens. Records know only their on-disk position (a line's end, the
+  compressed bytes read, the share of Parquet rows read), so their split is an estimate of the
+  fraction. The split byte counts in meta.json are bytes of UTF-8 text (what bits per byte
+  divide by); the source sizes are on disk.
+- Documents: files and records are documents; each piece says whether it starts one, and
+  gpt/data.py writes the end-of-text token between documents.
 - Streaming: files are read in ~1 MiB pieces (64 KiB for .txt.gz, which bounds how far its
   split can miss; a record is a piece of its own, cut the same way if over 1 MiB) and never
   held whole in memory. A piece ends where

@@ -8,6 +8,7 @@ shards each matrix's largest remaining dimension over `fsdp`. Optimizer state fo
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import sys
@@ -251,6 +252,22 @@ def main_process_first(fn: Callable[[], T]) -> T:
         raise UserError("process 0 could not prepare the data (its own error says why); fix that and "
                         "start every process again")
     return result if is_main_process() else fn()
+
+
+def check_agreement(parts: dict[str, str], hint: str) -> None:
+    """Every process compares the hash of each named part with process 0's, then all learn who
+    differs (an all-gather), so a mismatch is the same one-line UserError on every process
+    instead of a hang at the first collective that depends on it."""
+    from jax.experimental import multihost_utils
+    mine = np.stack([np.frombuffer(hashlib.sha256(v.encode()).digest(), np.uint8) for v in parts.values()])
+    ref = np.asarray(multihost_utils.broadcast_one_to_all(mine))
+    differs = np.asarray(multihost_utils.process_allgather((mine != ref).any(axis=1).astype(np.int32)))
+    differs = differs.reshape(jax.process_count(), len(parts))
+    if differs.any():
+        names = [n for n, bad in zip(parts, differs.any(axis=0)) if bad]
+        who = [int(i) for i in np.nonzero(differs.any(axis=1))[0]]
+        raise UserError(f"process(es) {', '.join(map(str, who))} disagree with process 0 on "
+                        f"{', '.join(names)}; {hint}")
 
 
 def is_main_process() -> bool:

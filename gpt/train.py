@@ -10,8 +10,10 @@ Exact resume rests on three things being functions of the step number alone: the
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import secrets
 import signal
 import sys
 import time
@@ -34,7 +36,7 @@ from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict,
 from gpt.errors import UserError
 from gpt.model import GPT, abstract_model, abstract_params, flops_per_token, num_params
 from gpt.runtime import Runtime, dtype_note, resolve
-from gpt.tokenizer import REPO_ROOT, load_tokenizer
+from gpt.tokenizer import REPO_ROOT, atomic_write_bytes, load_tokenizer
 
 BUNDLED_CORPUS = REPO_ROOT / "data" / "shakespeare.txt"
 
@@ -351,19 +353,56 @@ class Run:
     through: metrics_lib.Throughput
 
 
-def prepare_out_dir(t: TrainConfig) -> tuple[Path, Path | None]:
-    """Create out_dir (process 0), move old checkpoints aside for --overwrite (deleted only once
-    this run has saved one: `ckpt.settle_aside`), and hold every process until that is done (no
-    process may look at out_dir before process 0 has set it up)."""
+def prepare_out_dir(s: Setup) -> tuple[Path, Path | None]:
+    """Create out_dir (process 0), check that every process runs the same job in the same
+    out_dir (before anything destructive), move old checkpoints aside for --overwrite (deleted
+    only once this run has saved one: `ckpt.settle_aside`), and hold every process until that is
+    done (no process may look at out_dir before process 0 has set it up)."""
+    t = s.train_cfg
     out, aside = Path(t.out_dir), None
     if sharding.is_main_process():
         out.mkdir(parents=True, exist_ok=True)
-        if t.overwrite and t.init_from != "resume":
-            aside = ckpt.set_aside(out)
+    if jax.process_count() > 1:
+        agree_across_processes(s, out)
+    if sharding.is_main_process() and t.overwrite and t.init_from != "resume":
+        aside = ckpt.set_aside(out)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices("gpt_train_out_dir_ready")
     return out, aside
+
+
+PER_PROCESS = {"process_id", "out_dir", "data_dir", "input"}  # may differ: paths are per host
+TOKEN = ".gpt-process0-token"
+
+
+def agree_across_processes(s: Setup, out: Path) -> None:
+    """Every process of a multi-host job must have process 0's settings, data (by content) and
+    resume step, and see the same out_dir: process 0 writes a random token there that the others
+    must read back. A mismatch is one line on every process (sharding.check_agreement)."""
+    from jax.experimental import multihost_utils
+    token = out / TOKEN
+    if sharding.is_main_process():
+        atomic_write_bytes(token, secrets.token_hex(16).encode())
+    multihost_utils.sync_global_devices("gpt_train_token_written")
+    try:
+        seen = token.read_text()
+    except OSError:
+        seen = ""
+    settings = {k: v for cfg in (s.model_cfg, s.compute_cfg, s.train_cfg)
+                for k, v in dataclasses.asdict(cfg).items() if k not in PER_PROCESS}
+    data = {k: s.meta.get(k) for k in ("tokenizer", "dtype", "splits", "shards")}
+    data["sources"] = [src.get("sha256") for src in s.meta.get("sources", [])]
+    step = max(ckpt.list_steps(out), default=0) if s.train_cfg.init_from == "resume" else 0
+    parts = {"settings": json.dumps(settings, sort_keys=True, default=str),
+             "data (by content)": json.dumps(data, sort_keys=True), "resume step": str(step), "out_dir": seen}
+    try:
+        sharding.check_agreement(parts, hint=f"run the same command on every host with one shared --out_dir "
+                                             f"(process 0 wrote {TOKEN} in {out}, which the others must see)")
+    finally:
+        multihost_utils.sync_global_devices("gpt_train_token_read")
+        if sharding.is_main_process():
+            token.unlink(missing_ok=True)
 
 
 def init_state(s: Setup, model_shape: GPT, tx, mesh) -> tuple[State, dict[str, Any]]:
@@ -540,8 +579,9 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
     mesh = sharding.make_mesh(t.mesh)  # the mesh is validated before anything touches out_dir
     sharding.check_divisibility(s.model_cfg, mesh, t.batch_size)
     new_dir = not Path(t.out_dir).exists()
-    out, aside = prepare_out_dir(t)
+    out, aside = Path(t.out_dir), None
     try:
+        out, aside = prepare_out_dir(s)
         return _run(s, mesh, out, log, aside)
     finally:  # the old checkpoints go once this run has one: else they come back
         if sharding.is_main_process():

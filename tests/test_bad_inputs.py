@@ -92,7 +92,27 @@ def w(tmp_path_factory, char_data):
     (root / "fake.parquet").write_text("text,label\nhello,1\n")  # a CSV named .parquet
     raw = gzip.compress(b"First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50)
     (root / "cut.txt.gz").write_bytes(raw[:len(raw) // 2])  # a truncated download
+    _edited_data_dirs(root, char_data)
     return dict(root=root, data=char_data, good=good, bad=bad, old_data=root / "old_data")
+
+
+def _edited_data_dirs(root: Path, char_data: Path) -> None:
+    """Data dirs whose meta.json was edited: its store outside the data dir, a newer format, and
+    the single-file layout of format version 1 (which has no document index)."""
+    from gpt import store
+    from gpt.data import load_meta
+    meta = load_meta(char_data)
+    for name, edit in [("data_outside", {"store": ".."}), ("data_newer", {"format_version": 99})]:
+        shutil.copytree(char_data, root / name)
+        (root / name / "meta.json").write_text(json.dumps({**meta, **edit}))
+    v1 = root / "data_v1"
+    v1.mkdir()
+    for split in ("train", "val"):
+        tokens = store.SplitTokens(char_data, meta, split)
+        (v1 / f"{split}.bin").write_bytes(b"".join(bytes(s) for s in tokens.shards))
+    old = {k: meta[k] for k in ("tokenizer", "vocab_size", "dtype")}
+    old["splits"] = {s: {k: meta["splits"][s][k] for k in ("tokens", "bytes")} for s in ("train", "val")}
+    (v1 / "meta.json").write_text(json.dumps({"format_version": 1, **old}))
 
 
 def _parquet_bytes(columns: dict) -> bytes:
@@ -198,6 +218,25 @@ def cases(w) -> list[Case]:
                                             f"--out_dir={new}"], "no column 'text' (columns: content)", new),
         Case("data not parquet", D + ["--input", str(root / "fake.parquet"), "--tokenizer=char",
                                       f"--out_dir={w['old_data']}"], "not a readable Parquet", w["old_data"]),
+        Case("data val_documents all", D + ["--input", str(root / "text.txt"), "--tokenizer=char",
+                                            "--val_documents=1", f"--out_dir={new}"],
+             "--val_documents=1 leaves no training text", new),
+        Case("data val_documents zero", D + ["--input", str(root / "text.txt"), "--tokenizer=char",
+                                             "--val_documents=0", f"--out_dir={new}"], "val_documents=0", new),
+        Case("data shard_tokens zero", D + ["--input", str(root / "text.txt"), "--tokenizer=char",
+                                            "--shard_tokens=0", f"--out_dir={new}"], "shard_tokens=0", new),
+        Case("data append to nothing", D + ["--input", str(root / "text.txt"), "--append", f"--out_dir={new}"],
+             "holds none", new),
+        Case("data append other tokenizer", D + ["--input", str(root / "text.txt"), "--append", "--tokenizer=gpt2",
+                                                 f"--out_dir={w['old_data']}"], "not the tokenizer", w["old_data"]),
+        Case("data append to old format", D + ["--input", str(root / "text.txt"), "--append",
+                                               f"--out_dir={root / 'data_v1'}"], "format version 1", root / "data_v1"),
+        Case("train data store outside", [PY, "train.py", f"--data_dir={root / 'data_outside'}", f"--out_dir={new}"],
+             "not a store dir of ours", new),
+        Case("train data newer format", [PY, "train.py", f"--data_dir={root / 'data_newer'}", f"--out_dir={new}"],
+             "update this code", new),
+        Case("train align old format", [PY, "train.py", f"--data_dir={root / 'data_v1'}", "--align_documents",
+                                        "--preset=tiny", f"--out_dir={new}"], "no document index", new),
         Case("train truncated gzip", [PY, "train.py", "--preset=tiny", f"--out_dir={new}",
                                       f"--input={root / 'cut.txt.gz'}", "--no_progress"],
              "cut.txt.gz' is not a valid gzip file", new, {"GPT_DATA_CACHE": str(root / "cache")}),
@@ -238,6 +277,7 @@ FAST = {"train unknown flag", "train negative lr", "train heads", "train block t
         "train model too big for memory", "sample all damaged", "sample tokenizer larger than model",
         "sample prompt outside vocab", "sample top_p above 1",
         "data not utf-8", "data empty corpus", "data jsonl not json", "data parquet no column",
+        "data val_documents all", "train data newer format",
         "convert pickle only", "convert not gpt2", "evaluate no checkpoint"}
 
 

@@ -6,9 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from gpt import store
 from gpt.batches import Batches
-from gpt.data import load_meta, prepare
+from gpt.data import prepare
 from gpt.errors import UserError
 from test_data import SHAKESPEARE, read_bin, write
 

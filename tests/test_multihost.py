@@ -131,3 +131,50 @@ def test_bad_distributed_flags(char_data, tmp_path, args, words):
     lines = our_lines(out)
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), out[-2000:]
     assert words in lines[0]
+
+
+@pytest.mark.slow
+def test_only_process_0_prepares_the_input(tmp_path):
+    """Two processes given the same --input: process 0 prepares it into the shared cache while
+    process 1 waits, then both train on it; if process 0's preparation fails, both stop with
+    one line."""
+    text = (REPO / "data" / "shakespeare.txt").read_text()[:40_000]
+    (tmp_path / "corpus.txt").write_text(text)
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9\n" * 100)
+    for name, want_rc in [("corpus.txt", 0), ("bad.txt", 2)]:
+        port = free_port()
+        procs = [start([*COMMON, f"--input={tmp_path / name}", f"--out_dir={tmp_path / ('out_' + name)}",
+                        "--distributed", "--mesh=data:8", f"--coordinator_address=127.0.0.1:{port}",
+                        "--num_processes=2", f"--process_id={i}"], devices=4,
+                       GPT_DISTRIBUTED_TIMEOUT="120", GPT_DATA_CACHE=str(tmp_path / "cache"))
+                 for i in (0, 1)]
+        (rc0, out0), (rc1, out1) = finish(procs, timeout=400)
+        assert rc0 == rc1 == want_rc, f"process 0:\n{out0[-3000:]}\nprocess 1:\n{out1[-3000:]}"
+        if want_rc == 0:
+            assert sum(ln.startswith("preparing ") for ln in our_lines(out0)) == 1 and our_lines(out1) == []
+        else:
+            assert "not valid UTF-8" in our_lines(out0)[-1] and "Traceback" not in out0 + out1
+            assert our_lines(out1) == ["error: process 0 could not prepare the data (its own error says why); "
+                                       "fix that and start every process again"]
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["settings", "out_dir"])
+def test_processes_that_disagree_stop_with_one_line(char_data, tmp_path, what):
+    """A process with another setting, or another (unshared) out_dir, is found at start-up: every
+    process prints the same line and exits 2, nothing hangs and nothing is deleted."""
+    port = free_port()
+    args = [[*COMMON, f"--data_dir={char_data}", "--distributed", "--mesh=data:8",
+             f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+             f"--out_dir={tmp_path / ('out1' if what == 'out_dir' and i else 'out0')}"] for i in (0, 1)]
+    if what == "settings":
+        args[1].append("--learning_rate=3e-4")
+    procs = [start(a, devices=4, GPT_DISTRIBUTED_TIMEOUT="120") for a in args]
+    results = finish(procs, timeout=300)
+    lines = [our_lines(out) for _, out in results]
+    assert [rc for rc, _ in results] == [2, 2], lines
+    name = "settings" if what == "settings" else "out_dir"
+    for ls in lines:
+        assert len(ls) == 1 and ls[0].startswith("error: process(es) 1 disagree with process 0 on " + name), ls
+    assert not (tmp_path / "out0" / ".gpt-process0-token").exists()

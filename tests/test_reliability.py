@@ -198,7 +198,8 @@ def _kill_loop(out: Path, data: Path, n_kills: int, seed: int) -> dict[str, int]
             assert got == newest, (got, before, err)  # the newest complete step, never a tmp dir
             resumed_from.append(got)
     assert resumed_from == sorted(resumed_from)  # progress never goes backwards
-    p, log = start(out, data, "--init_from=resume")
+    # On a loaded machine every kill may come before the first save: then the run starts afresh.
+    p, log = start(out, data, *(["--init_from=resume"] if ckpt.list_steps(out) else []))
     err = finish(p, log)
     assert p.returncode == 0, err
     assert "damaged" not in err, err
@@ -207,10 +208,11 @@ def _kill_loop(out: Path, data: Path, n_kills: int, seed: int) -> dict[str, int]
 
 
 def test_kill9_at_random_moments_resumes_exactly(tmp_path, char_data, reference):
-    """10 kill -9s (start-up, mid-save, mid-step); the resumed run equals the uninterrupted one."""
-    stats = _kill_loop(tmp_path / "o", char_data, n_kills=10, seed=1234)
+    """6 kill -9s (start-up, mid-save, mid-step); the resumed run equals the uninterrupted one
+    (30 of them in the slow test below)."""
+    stats = _kill_loop(tmp_path / "o", char_data, n_kills=6, seed=1234)
     print(stats)
-    assert stats["mid_save"] >= 2, stats
+    assert stats["mid_save"] >= 1, stats
     assert_same_as_reference(tmp_path / "o", reference.get())
 
 

@@ -259,3 +259,21 @@ def test_overwrite_replaces_old_checkpoints_only_after_saving(tmp_path, char_dat
     with pytest.raises(UserError, match="holds files our runs never write .*notes.txt"):
         run(out, char_data, "--overwrite")
     assert (out / "checkpoints" / "notes.txt").exists() and ckpt.list_steps(out) == [3]
+
+
+def test_document_aligned_rows_train_and_resume_exactly(tmp_path, capsys):
+    """--align_documents on a sharded JSONL store: training runs, the waste is reported, and a
+    resumed run sees exactly the batches of an uninterrupted one."""
+    from gpt.data import prepare
+    text = (REPO / "data" / "shakespeare.txt").read_text()[:60_000]
+    docs = [text[i:i + 300 + (i % 7) * 200] for i in range(0, 55_000, 1000)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data_dir = tmp_path / "data"
+    prepare([src], "char", data_dir, val_documents=5, shard_tokens=10_000)
+    common = ["--align_documents", "--eval_interval=4", "--max_iters=6", "--lr_decay_iters=6"]
+    full = run(tmp_path / "a", data_dir, *common)
+    assert "of the tokens drawn are cut off" in capsys.readouterr().err
+    run(tmp_path / "b", data_dir, *common, "--max_iters=3")
+    second = run(tmp_path / "b", data_dir, *common, "--init_from=resume")
+    assert dict(second["train_losses"]) == {k: v for k, v in full["train_losses"] if k > 3}
