@@ -154,6 +154,10 @@ class Checkpointer:
                         f"{hint} (or choose another --out_dir) and continue with --init_from=resume; "
                         f"the previous checkpoints are intact (steps {kept})") from None
 
+    def wait(self) -> None:
+        """Block until the save in flight is on disk (its error raised)."""
+        self._finish()
+
     def close(self) -> None:
         try:
             self._finish()

@@ -311,18 +311,37 @@ def load_init(src: Path, m: ModelConfig, explicit: set[str]) -> tuple[ModelConfi
 
 
 class StopFlag:
-    """SIGINT/SIGTERM set a flag; the loop finishes the step, saves and exits 0."""
+    """SIGINT/SIGTERM set a flag; the loop finishes the step, saves and exits 0. A second signal
+    is reported and the save goes on (schedulers often repeat SIGTERM); a third aborts at once.
+    In a multi-host job the processes agree on the step to stop at (`agreed`), since a signal
+    reaches each process at its own moment and a save is collective."""
 
     def __init__(self):
         self.signal: int | None = None
+        self.count = 0
         self._old = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, _frame):
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
-        self.signal = signum
+        self.count += 1
+        if self.count >= 3:
+            raise KeyboardInterrupt  # a third signal aborts (the last complete checkpoint stays)
+        if self.count == 2:
+            print(f"\nreceived {signal.Signals(signum).name} again: finishing the save first "
+                  f"(a third signal aborts it)", file=sys.stderr, flush=True)
+        self.signal = self.signal or signum
+
+    def agreed(self) -> bool:
+        """Whether to stop after this step: this process's flag, or in a multi-host job any
+        process's (a tiny all-gather per step, only when there are several processes)."""
+        if jax.process_count() == 1:
+            return self.signal is not None
+        from jax.experimental import multihost_utils
+        flags = np.asarray(multihost_utils.process_allgather(np.int32(self.signal or 0)))
+        if self.signal is None and flags.any():
+            self.signal = int(flags[flags > 0][0])  # stopping because another process was told to
+        return bool(flags.any())
 
     def restore(self):
         for sig, old in self._old.items():
@@ -620,7 +639,7 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
                 x, y = next_batch(run)  # prefetch while the step runs
             at_log = state.step % t.log_interval == 0 or last
             at_eval = state.step % t.eval_interval == 0 or last
-            stopping = stop.signal is not None  # read once: a later signal stops a step later
+            stopping = stop.agreed()  # read once: a later signal stops a step later
             at_ckpt = state.step % ckpt_interval == 0 or last or stopping
             if at_log or at_eval or at_ckpt:
                 loss, ev = log_and_evaluate(run, state, metrics, prog, at_log, at_eval)
@@ -632,14 +651,17 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
             if prog.bar is not None:
                 prog.bar.update(1)
             if stopping:
+                run.checkpointer.wait()  # "saved" only once it is on disk
                 log(f"\nreceived {signal.Signals(stop.signal).name}: saved step {state.step}; "
                     f"continue with --init_from=resume")
                 break
     finally:
-        stop.restore()
         prog.close()
-        run.checkpointer.close()
-        run.mlog.close()
+        try:
+            run.checkpointer.close()  # still under our handlers: a signal here cannot cut the save
+            run.mlog.close()
+        finally:
+            stop.restore()
     summary.update(step=state.step, best_val_loss=state.best_val, interrupted=stop.signal is not None,
                    elapsed_sec=time.perf_counter() - prog.t0)
     return summary

@@ -229,6 +229,7 @@ def test_kill9_many_times_resumes_exactly(tmp_path, char_data, reference):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_within_one_step_exits_zero_and_resumes_exactly(tmp_path, char_data, reference, sig):
+    """A signal finishes the step, saves (printing "saved" once it is on disk) and exits 0."""
     out = tmp_path / "o"
     p, log = start(out, char_data)
     assert wait_for(lambda: last_step(out) >= 5, p, timeout=120), log.read_text()
@@ -246,6 +247,23 @@ def test_signal_saves_within_one_step_exits_zero_and_resumes_exactly(tmp_path, c
     err = finish(p, log)
     assert p.returncode == 0 and f"resuming from step {stopped}" in err, err
     assert_same_as_reference(out, reference.get())
+
+
+def test_second_signal_is_reported_and_third_aborts(capsys):
+    """Schedulers repeat SIGTERM: the second signal must not cut the final save short (it is
+    reported), the third aborts at once."""
+    from gpt.train import StopFlag
+    flag = StopFlag()
+    try:
+        flag._handle(signal.SIGTERM, None)
+        assert flag.signal == signal.SIGTERM and flag.agreed()
+        flag._handle(signal.SIGINT, None)  # no exception: the save goes on
+        assert "received SIGINT again: finishing the save first" in capsys.readouterr().err
+        assert flag.signal == signal.SIGTERM
+        with pytest.raises(KeyboardInterrupt):
+            flag._handle(signal.SIGTERM, None)
+    finally:
+        flag.restore()
 
 
 # ----------------------------------------------------------------------------- damaged checkpoints
