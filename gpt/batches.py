@@ -34,7 +34,8 @@ class Batches:
     """
 
     def __init__(self, data_dir: str | os.PathLike, split: str, block_size: int, batch_size: int, *,
-                 seed: int, process_index: int = 0, process_count: int = 1, align_documents: bool = False):
+                 seed: int, process_index: int = 0, process_count: int = 1, align_documents: bool = False,
+                 meta: dict | None = None):
         if split not in SPLITS:
             raise UserError(f"split {split!r} is not valid; use train or val")
         self.block_size = check_int("block_size", block_size, 1)
@@ -49,7 +50,7 @@ class Batches:
                             f"processes; use a multiple of {process_count}")
         self.data_dir = Path(data_dir)
         self.split = split
-        self.meta = load_meta(self.data_dir)
+        self.meta = load_meta(self.data_dir) if meta is None else meta  # a run reads it once
         check_split_sizes(self.meta, self.block_size)
         self.tokens = store.SplitTokens(self.data_dir, self.meta, split)
         self.shards = self.tokens.shards
@@ -138,12 +139,17 @@ class Batches:
 
 def _document_table(tokens: store.SplitTokens, data_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every document of the split as (shard, start, length) arrays; a document ends at the next
-    one's start or its shard's end (a document continued from the previous shard is its own)."""
+    one's start or its shard's end. (Tokens before a shard's first start, the rest of a document
+    that a shard cut inside, start no row.) The index is checked: it may have been edited."""
     if tokens.starts is None:
         raise UserError(f"{str(data_dir)!r} has no document index (a single-file data dir, format version 1), "
                         f"which --align_documents needs; prepare the data again with python -m gpt.data")
     shard_of, start_of, length_of = [], [], []
-    for k, (shard, starts) in enumerate(zip(tokens.shards, tokens.starts)):
+    for k, (shard, raw) in enumerate(zip(tokens.shards, tokens.starts)):
+        starts = np.asarray(raw, np.int64)
+        if starts.size and (np.any(np.diff(starts) < 0) or starts[0] < 0 or starts[-1] >= shard.shape[0]):
+            raise UserError(f"the document index of shard {k} in {str(data_dir)!r} is not sorted or points past "
+                            f"the shard; the data dir is corrupt, prepare it again")
         ends = np.append(starts[1:], shard.shape[0])
         shard_of.append(np.full(starts.size, k, np.int32))
         start_of.append(starts)

@@ -183,6 +183,7 @@ class Settings:
     text_field: str = "text"
     skip_bad_records: bool = False
     shard_tokens: int = store.SHARD_TOKENS
+    append_to: str = ""  # when appending: the store's name and shard counts (a resume must match them)
 
 
 def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir: str | os.PathLike, *,
@@ -216,7 +217,7 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
         raise UserError("no tokenizer given; pass --tokenizer gpt2 | char | bpe:N | hf:PATH")
     settings = Settings(_store_tokenizer_name(old) if old is not None else tokenizer, val_fraction,
                         val_documents, include_patterns(include), errors, text_field, bool(skip_bad_records),
-                        shard_tokens)
+                        shard_tokens, _append_id(old))
     _check_settings(settings, backend, appending=old is not None)
     files = resolve_inputs(inputs, settings.include)
     if old is not None:
@@ -233,8 +234,7 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
     keep = False  # keep the staging dir for a resume: not after bad input, which must be fixed first
     try:
         meta = _prepare_in(stage, sources, reading, rule, settings, old, progress, workers, backend, out_dir)
-        (stage / PROGRESS).unlink(missing_ok=True)
-        store.publish(stage, out_dir, meta, old)
+        store.publish(stage, out_dir, meta, old, drop=[PROGRESS])
         return load_meta(out_dir)
     except OSError as e:
         keep = True
@@ -364,6 +364,8 @@ def _stage_tokenizer(stage: Path, sources: list[Source], reading: Reading, rule:
         tok = load_tokenizer(old["tokenizer"], src)
         for name in tok.files():
             shutil.copyfile(src / name, stage / name)
+        progress["tokenizer"] = tok.spec
+        _save_progress(stage, progress)
         return tok
     if progress.get("tokenizer"):
         return load_tokenizer(progress["tokenizer"], stage)
@@ -400,7 +402,7 @@ def _meta(tok: Tokenizer, dtype: np.dtype, shards: dict, nbytes: dict, settings:
         "split_rule": SPLIT_RULE,
         "text_field": settings.text_field,
         "skipped_records": skipped,
-        "sources": [{"path": str(s.path), "format": file_format(s.path), "bytes": s.size,
+        "sources": [{"path": str(s.path.resolve()), "format": file_format(s.path), "bytes": s.size,
                      "sha256": h.hexdigest()} for s, h in zip(sources, hashers)],
         "bytes_per_token": _bytes_per_token(splits),
     }
@@ -440,6 +442,13 @@ def _store_to_append(out_dir: Path, tokenizer: str | None) -> dict:
         raise UserError(f"--tokenizer={tokenizer} is not the tokenizer {str(out_dir)!r} was prepared with "
                         f"({_store_tokenizer_name(meta)}); drop --tokenizer to use the store's")
     return meta
+
+
+def _append_id(old: dict | None) -> str:
+    """What an append depends on besides its inputs: the store it adds to, as it is now."""
+    if old is None:
+        return ""
+    return json.dumps([old["store"], {s: len(old["shards"][s]) for s in SPLITS}], sort_keys=True)
 
 
 def _store_tokenizer_name(meta: dict) -> str:
@@ -520,13 +529,14 @@ def cache_key(files: list[Path], settings: Settings) -> str:
 
 
 def ensure_prepared(input_paths: Sequence[str | os.PathLike], tokenizer: str, cache_root: str | os.PathLike,
-                    **kw) -> Path:
+                    prepare_missing: bool = True, **kw) -> Path:
     """Prepare `input_paths` into a cache dir named by a hash of inputs and settings, or reuse it.
 
     The key covers each file's resolved path, size and mtime, the tokenizer (for hf:PATH its
     content), every setting of `Settings` and FORMAT_VERSION, so editing a file or changing a
     setting re-prepares; a second call with the same inputs returns at once without
-    re-tokenizing; an interrupted one resumes.
+    re-tokenizing; an interrupted one resumes. With prepare_missing=False (the other processes
+    of a multi-host job, after process 0 prepared it), a missing dir is an error instead.
     """
     include = include_patterns(kw.get("include", DEFAULT_INCLUDE))
     kind, _ = parse_name(tokenizer)
@@ -544,6 +554,9 @@ def ensure_prepared(input_paths: Sequence[str | os.PathLike], tokenizer: str, ca
             return d
         except UserError:
             pass  # stale or corrupt: prepare again below
+    if not prepare_missing:
+        raise UserError(f"process 0 prepared the data into {d}, which this process cannot read; the cache "
+                        f"must be on a filesystem every host shares (set GPT_DATA_CACHE=DIR)")
     print(f"preparing {len(files)} file(s) with tokenizer {label} into {d} (once: later runs reuse it)",
           flush=True)
     prepare(files, tokenizer, d, **kw)

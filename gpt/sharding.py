@@ -231,27 +231,38 @@ def _join_error(e: Exception, coordinator_address: str, timeout_s: int) -> UserE
                      f"was started")
 
 
-def main_process_first(fn: Callable[[], T]) -> T:
-    """`fn()` on process 0 first, then on the others, which find what it made (a prepared data
-    dir in the shared cache) instead of racing it. Process 0's failure is broadcast, so the
-    others stop with one line instead of waiting or repeating the work."""
+def main_process_first(fn: Callable[[], T], others: Callable[[], T]) -> T:
+    """`fn()` on process 0 (it makes something, e.g. prepares the data into the shared cache),
+    then `others()` on the rest (they only find it). The outcome of each is shared, so a failure
+    anywhere stops every process with one line instead of leaving the others waiting."""
+    if jax.process_count() == 1:
+        return fn()
+    made = all_or_none(fn if is_main_process() else lambda: None)
+    return all_or_none((lambda: made) if is_main_process() else others)
+
+
+def all_or_none(fn: Callable[[], T]) -> T:
+    """`fn()` on every process, then all learn whether all succeeded (an all-gather): a process
+    that failed raises its own error, the others a line naming it. Use it around per-process
+    work (checks, reading files) that precedes a collective, which would wait forever for a
+    process that already stopped."""
     if jax.process_count() == 1:
         return fn()
     from jax.experimental import multihost_utils
     error: BaseException | None = None
     result = None
-    if is_main_process():
-        try:
-            result = fn()
-        except BaseException as e:  # noqa: BLE001 - told to the others, then raised here
-            error = e
-    ok = int(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+    try:
+        result = fn()
+    except BaseException as e:  # noqa: BLE001 - shared with the others first, then raised
+        error = e
+    failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
     if error is not None:
         raise error
-    if not ok:
-        raise UserError("process 0 could not prepare the data (its own error says why); fix that and "
-                        "start every process again")
-    return result if is_main_process() else fn()
+    if failed.any():
+        who = ", ".join(str(int(i)) for i in np.nonzero(failed)[0])
+        raise UserError(f"process(es) {who} stopped at start-up (their own error says why); fix that and "
+                        f"start every process again")
+    return result
 
 
 def check_agreement(parts: dict[str, str], hint: str) -> None:

@@ -39,7 +39,7 @@ FORMAT_VERSION = 2
 READS = (1, 2)  # format versions this code loads
 SPLITS = ("train", "val")
 SHARD_TOKENS = 1 << 27  # ~134M tokens, 256 MiB of uint16 per shard
-_SHARD_NAME = re.compile(r"(train|val)-\d{5}\.bin")
+_SHARD_NAME = re.compile(r"(train|val)-\d{5,}\.bin")
 _STORE_NAME = re.compile(r"store-[0-9a-f]{12}")
 
 
@@ -119,18 +119,24 @@ def split_counts(shards: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Publishing
 
-def publish(stage: Path, out_dir: Path, meta: dict, old: dict | None) -> None:
-    """Make the staged shards and tokenizer files the data dir's store, atomically.
+def publish(stage: Path, out_dir: Path, meta: dict, old: dict | None, drop: list[str] = ()) -> None:
+    """Make the staged shards and tokenizer files the data dir's store, atomically; the staged
+    files named in `drop` (the progress file) go once the store is committed.
 
     New store: `stage` is renamed to a fresh store-<id>, then meta.json is replaced (the commit),
-    then the previous store (either version) is deleted. Appending (`old` is the current meta of
-    a version 2 store): the new files move into its store dir under unused names, then meta.json
-    is replaced. Until meta.json is replaced, readers see the old store, complete."""
+    then the previous store (either version) is deleted; if the commit fails, the stage is put
+    back (a rerun resumes). Appending (`old` is the current meta of a version 2 store): the new
+    shards move into its store dir under names it does not use (never over a file), then
+    meta.json is replaced. Until meta.json is replaced, readers see the old store, complete."""
     if old is not None:
         folder = out_dir / old["store"]
-        for f in sorted(stage.iterdir()):
-            if _SHARD_NAME.fullmatch(f.name) or f.name.endswith(".docs"):
-                os.replace(f, folder / f.name)
+        moving = [f for f in sorted(stage.iterdir()) if _SHARD_NAME.fullmatch(f.name) or f.name.endswith(".docs")]
+        taken = [f.name for f in moving if (folder / f.name).exists()]
+        if taken:
+            raise UserError(f"appending would overwrite {taken[0]} in {folder}; the store changed while this "
+                            f"append ran, so run the append again")
+        for f in moving:
+            os.replace(f, folder / f.name)
         _write_meta(out_dir, {**meta, "store": old["store"]})
         return
     name = f"store-{secrets.token_hex(6)}"
@@ -139,8 +145,10 @@ def publish(stage: Path, out_dir: Path, meta: dict, old: dict | None) -> None:
     try:
         _write_meta(out_dir, {**meta, "store": name})
     except BaseException:
-        shutil.rmtree(out_dir / name, ignore_errors=True)  # never referenced: nobody reads it
+        os.replace(out_dir / name, stage)  # never referenced; back where a rerun resumes from
         raise
+    for n in drop:
+        (out_dir / name / n).unlink(missing_ok=True)
     _remove_old(out_dir, previous, keep=name)
 
 
@@ -166,10 +174,16 @@ def _remove_old(out_dir: Path, previous: dict | None, keep: str) -> None:
     if previous is not None and previous.get("format_version") == 1:
         names = ["train.bin", "val.bin"]
         spec = previous.get("tokenizer")
-        if isinstance(spec, dict) and isinstance(spec.get("file"), str) and "/" not in spec["file"]:
+        if isinstance(spec, dict) and spec.get("file") in V1_TOKENIZER_FILES:  # never another file
             names.append(spec["file"])
         for n in names:
-            (out_dir / n).unlink(missing_ok=True)
+            try:
+                (out_dir / n).unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
+V1_TOKENIZER_FILES = ("tokenizer.tiktoken", "tokenizer.json")  # what a version 1 data dir held
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +252,6 @@ class SplitTokens:
         self.shards = [np.memmap(folder / sh["file"], dtype=dtype, mode="r") if sh["tokens"] else
                        np.zeros(0, dtype) for sh in index]
         self.starts = None if any(sh["documents"] is None for sh in index) else [
-            np.fromfile(folder / sh["file"].replace(".bin", ".docs"), dtype="<u8").astype(np.int64)
-            for sh in index]
+            np.memmap(folder / sh["file"].replace(".bin", ".docs"), dtype="<u8", mode="r") if sh["documents"]
+            else np.zeros(0, "<u8") for sh in index]
         self.n_tokens = sum(int(s.shape[0]) for s in self.shards)

@@ -139,7 +139,7 @@ def evaluate(eval_fn, params, data_dir: Path, meta: dict, shape: tuple[int, int]
     for split in ("train", "val"):
         seed = t.seed + 1 + (split == "val")
         batches = batches_lib.Batches(data_dir, split, T, B, seed=seed, process_index=layout[0],
-                                   process_count=layout[1])
+                                      process_count=layout[1], meta=meta)
         batches.restore({"seed": seed, "index": at_step * t.eval_iters})
         losses = [eval_fn(params, *map(place, batches.next())) for _ in range(t.eval_iters)]
         res[f"{split}_loss"] = float(np.mean([float(v) for v in losses]))
@@ -170,8 +170,10 @@ def resolve_data(t: TrainConfig) -> Path:
         return Path(t.data_dir)
     inputs = t.input or [str(BUNDLED_CORPUS)]
     cache = Path(os.environ.get("GPT_DATA_CACHE", REPO_ROOT / "data" / "cache"))
-    return sharding.main_process_first(lambda: data_lib.ensure_prepared(
-        inputs, t.tokenizer, cache, text_field=t.text_field, skip_bad_records=t.skip_bad_records))
+    kw = dict(text_field=t.text_field, skip_bad_records=t.skip_bad_records)
+    return sharding.main_process_first(lambda: data_lib.ensure_prepared(inputs, t.tokenizer, cache, **kw),
+                                       lambda: data_lib.ensure_prepared(inputs, t.tokenizer, cache,
+                                                                        prepare_missing=False, **kw))
 
 
 def _arch_diff(a: ModelConfig, b: ModelConfig, keys) -> list[str]:
@@ -206,7 +208,16 @@ def find_gpt2_dir() -> Path:
 
 
 def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]) -> Setup:
-    """Resolve data, vocabulary and the starting point; every user mistake raises UserError here."""
+    """Resolve data, vocabulary and the starting point; every user mistake raises UserError here.
+    In a multi-host job every process does the same, and a mistake on any stops them all."""
+    m, c, t = sharding.all_or_none(lambda: _starting_point(m, c, t, explicit))
+    data_dir = resolve_data(t)
+    return sharding.all_or_none(lambda: _with_data(m, c, t, explicit, data_dir))
+
+
+def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]
+                    ) -> tuple[ModelConfig, ComputeConfig, TrainConfig]:
+    """The settings, from the checkpoint for --init_from=resume; out_dir's state checked."""
     out = Path(t.out_dir)
     if t.init_from == "resume" and t.overwrite:
         raise UserError("--overwrite starts over and --init_from=resume continues: pass one of them")
@@ -228,8 +239,11 @@ def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: se
         raise UserError(f"{ckpt.checkpoint_dir(out)} holds files our runs never write "
                         f"({', '.join(ckpt.foreign_entries(out)[:3])}), so --overwrite will not replace it; "
                         f"pick another --out_dir")
+    return m, c, t
 
-    data_dir = resolve_data(t)
+
+def _with_data(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str], data_dir: Path) -> Setup:
+    """The data's meta, --init_from's weights, and the vocabulary checked against the data."""
     meta = data_lib.load_meta(data_dir)
     init_params = None
     if t.init_from not in ("scratch", "resume"):
@@ -379,8 +393,7 @@ def prepare_out_dir(s: Setup) -> tuple[Path, Path | None]:
     done (no process may look at out_dir before process 0 has set it up)."""
     t = s.train_cfg
     out, aside = Path(t.out_dir), None
-    if sharding.is_main_process():
-        out.mkdir(parents=True, exist_ok=True)
+    sharding.all_or_none(lambda: out.mkdir(parents=True, exist_ok=True) if sharding.is_main_process() else None)
     if jax.process_count() > 1:
         agree_across_processes(s, out)
     if sharding.is_main_process() and t.overwrite and t.init_from != "resume":
@@ -401,9 +414,8 @@ def agree_across_processes(s: Setup, out: Path) -> None:
     must read back. A mismatch is one line on every process (sharding.check_agreement)."""
     from jax.experimental import multihost_utils
     token = out / TOKEN
-    if sharding.is_main_process():
-        atomic_write_bytes(token, secrets.token_hex(16).encode())
-    multihost_utils.sync_global_devices("gpt_train_token_written")
+    sharding.all_or_none(lambda: atomic_write_bytes(token, secrets.token_hex(16).encode())
+                         if sharding.is_main_process() else None)
     try:
         seen = token.read_text()
     except OSError:
@@ -477,11 +489,13 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
     batches = batches_lib.Batches(s.data_dir, "train", m.block_size,
                                   t.batch_size * t.gradient_accumulation_steps, seed=t.seed,
                                   process_index=layout[0], process_count=layout[1],
-                                  align_documents=t.align_documents)
+                                  align_documents=t.align_documents, meta=s.meta)
     batches.restore({"seed": t.seed, "index": state.step})
     if t.align_documents:
-        sharding.log(f"align_documents: every row starts at a document start; {100 * batches.waste():.1f}% of "
-                     f"the tokens drawn are cut off at row ends (measured over 8 batches)")
+        waste = batches.waste()
+        sharding.log(f"{'warning: ' if waste > 0.5 else ''}align_documents: every row starts at a document "
+                     f"start; {100 * waste:.1f}% of the tokens drawn are cut off at row ends (measured over 8 "
+                     f"batches){'; documents are much longer than a row here, so most text is never seen: drop --align_documents' if waste > 0.5 else ''}")
     through = metrics_lib.Throughput(flops_per_token(m, m.block_size),
                                      metrics_lib.measure_matmul_tflops(rt.dtype),
                                      metrics_lib.vendor_peak_tflops(rt.dtype.name), mesh.size)

@@ -614,3 +614,45 @@ def test_append_adds_new_files_as_shards(tmp_path):
     with pytest.raises(UserError, match="holds none"):
         prepare([b], "gpt2", tmp_path / "nothing", append=True)
     assert load_meta(tmp_path / "out") == meta
+
+
+def test_append_never_takes_another_commands_progress_and_resumes_its_own(tmp_path, monkeypatch):
+    """An interrupted plain prepare of b and then an append of b into the same out_dir: the
+    append does not pick up the plain prepare's shards (numbered from 0, with its own counts), so
+    the live store stays intact; an interrupted append resumes."""
+    monkeypatch.setattr(data, "CHUNK_BYTES", 2000)
+    a = write_format(tmp_path / "a.jsonl", MANY[:30])
+    b = write_format(tmp_path / "b.jsonl", MANY[30:])
+    out = tmp_path / "out"
+    prepare([a], "gpt2", out, shard_tokens=500, workers=1)
+    live = tree(out)
+    real = data.encode_job
+
+    def dies_at(n):
+        calls = []
+
+        def encode(*args):
+            calls.append(1)
+            if len(calls) == n:
+                raise KeyboardInterrupt
+            return real(*args)
+        return encode
+
+    monkeypatch.setattr(data, "encode_job", dies_at(6))
+    with pytest.raises(KeyboardInterrupt):
+        prepare([b], "gpt2", out, shard_tokens=500, workers=1)  # a plain prepare, interrupted
+    assert tree(out) == live
+    monkeypatch.setattr(data, "encode_job", dies_at(6))
+    with pytest.raises(KeyboardInterrupt):
+        prepare([b], None, out, shard_tokens=500, workers=1, append=True)
+    assert tree(out) == live
+    calls = []
+    monkeypatch.setattr(data, "encode_job", lambda *x: calls.append(1) or real(*x))
+    meta = prepare([b], None, out, shard_tokens=500, workers=1, append=True)
+    n_jobs = len(list(data.make_jobs(data.iter_corpus(data.make_sources([b]), data.Reading(), 10**9), True)))
+    assert 0 < len(calls) < n_jobs  # resumed its own progress
+    monkeypatch.setattr(data, "encode_job", real)
+    prepare([a], "gpt2", tmp_path / "ref", shard_tokens=500, workers=1)
+    ref = prepare([b], None, tmp_path / "ref", shard_tokens=500, workers=1, append=True)  # uninterrupted
+    assert all_tokens(out) == all_tokens(tmp_path / "ref") and meta["shards"] == ref["shards"]
+    assert meta["splits"]["train"]["documents"] == 54

@@ -154,7 +154,7 @@ def test_only_process_0_prepares_the_input(tmp_path):
             assert sum(ln.startswith("preparing ") for ln in our_lines(out0)) == 1 and our_lines(out1) == []
         else:
             assert "not valid UTF-8" in our_lines(out0)[-1] and "Traceback" not in out0 + out1
-            assert our_lines(out1) == ["error: process 0 could not prepare the data (its own error says why); "
+            assert our_lines(out1) == ["error: process(es) 0 stopped at start-up (their own error says why); "
                                        "fix that and start every process again"]
     assert len(list((tmp_path / "cache").iterdir())) == 1
 

@@ -111,3 +111,37 @@ def test_version_1_data_dir_still_loads_with_the_same_batches(tmp_path):
         Batches(v1, "train", 16, 8, seed=3, align_documents=True)
     new = prepare([tmp_path / "out.txt"], "char", v1)  # re-preparing a version 1 dir replaces its files
     assert sorted(p.name for p in v1.iterdir()) == ["meta.json", new["store"]]
+
+
+def test_failed_commit_puts_the_stage_back_and_a_rerun_resumes(tmp_path, monkeypatch):
+    src = write(tmp_path / "a.txt", SHAKESPEARE[:3000])
+    real = store.atomic_write_bytes
+    monkeypatch.setattr(store, "atomic_write_bytes", lambda *a: (_ for _ in ()).throw(OSError(28, "No space")))
+    with pytest.raises(UserError, match="No space"):
+        prepare([src], "char", tmp_path / "out")
+    assert [p.name.startswith(".prepare-") for p in (tmp_path / "out").iterdir()] == [True]
+    monkeypatch.setattr(store, "atomic_write_bytes", real)
+    meta = prepare([src], "char", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["meta.json", meta["store"]]
+    assert sorted(p.name for p in (tmp_path / "out" / meta["store"]).iterdir()) == \
+        ["train-00000.bin", "train-00000.docs", "val-00000.bin", "val-00000.docs"]
+
+
+def test_edited_indexes_cannot_delete_or_hang(tmp_path):
+    """A version 1 meta.json naming meta.json as its tokenizer file deletes nothing of ours; an
+    unsorted document index is an error, not an endless packing loop."""
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "meta.json").write_text(json.dumps({"format_version": 1, "tokenizer": {"kind": "bpe", "file": "meta.json"}}))
+    (v1 / "notes.txt").write_text("mine")
+    src = write(tmp_path / "a.txt", SHAKESPEARE[:3000])
+    prepare([src], "char", v1)
+    assert load_meta(v1) and (v1 / "notes.txt").read_text() == "mine"
+    out, meta = _store(tmp_path, "\n".join(SHAKESPEARE[i * 100:(i + 1) * 100] for i in range(40)), "docs")
+    docs = store.files_dir(out, meta) / "train-00000.docs"
+    docs.write_bytes(np.array([0, 500, 100], "<u8").tobytes())
+    bad = json.loads((out / "meta.json").read_text())
+    bad["shards"]["train"][0]["documents"] = 3
+    (out / "meta.json").write_text(json.dumps(bad))
+    with pytest.raises(UserError, match="not sorted"):
+        Batches(out, "train", 16, 4, seed=0, align_documents=True)
