@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -180,3 +181,25 @@ def test_processes_that_disagree_stop_with_one_line(char_data, tmp_path, what):
         assert len(errors) == 1 and errors[0].startswith(f"error: process(es) 1 disagree with process 0 on {name}")
         assert "Traceback" not in out, ls
     assert not (tmp_path / "out0" / ".gpt-process0-token").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_all_at_the_same_step(char_data, tmp_path):
+    """A signal reaches one process of the job: all stop after the same step, save it together
+    and exit 0; the checkpoint is complete."""
+    port = free_port()
+    out = tmp_path / "out"
+    procs = [start([*COMMON, f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=400", "--distributed",
+                    "--mesh=data:8", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                    f"--process_id={i}"], devices=4, GPT_DISTRIBUTED_TIMEOUT="120") for i in (0, 1)]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and len(train_losses(out) if (out / "metrics.jsonl").exists() else []) < 3:
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    (rc0, out0), (rc1, out1) = finish(procs, timeout=300)
+    assert rc0 == rc1 == 0, f"process 0:\n{out0[-3000:]}\nprocess 1:\n{out1[-3000:]}"
+    saved = [ln for ln in our_lines(out0) if "saved step" in ln]
+    assert len(saved) == 1 and "received SIGTERM" in saved[0], out0[-2000:]
+    step = int(saved[0].split("saved step ")[1].split(";")[0])
+    from gpt import checkpoint as ckpt
+    assert 3 <= step < 400 and ckpt.list_steps(out)[-1] == step
