@@ -7,14 +7,21 @@ from typing import Sequence
 from gpt.errors import UserError, run_main
 
 
+MAX_PROMPT_CHARS = 10_000_000
+
+
 def read_prompt(cfg, tokenizer) -> list[int]:
     text = cfg.prompt
     if cfg.prompt_file:
         try:
-            text = open(cfg.prompt_file, encoding="utf-8").read()
+            with open(cfg.prompt_file, encoding="utf-8") as f:
+                text = f.read(MAX_PROMPT_CHARS + 1)  # bounded: /dev/zero or a fifo never ends
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read --prompt_file={cfg.prompt_file}: {e.__class__.__name__}: "
                             f"{e}") from None
+        if len(text) > MAX_PROMPT_CHARS or "\x00" in text:
+            raise UserError(f"--prompt_file={cfg.prompt_file} is not a text prompt (over {MAX_PROMPT_CHARS:,} "
+                            f"characters, or NUL bytes); pass a text file")
     ids = tokenizer.encode_prompt(text)
     if not ids:
         if tokenizer.eot_id is not None:

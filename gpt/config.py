@@ -410,7 +410,20 @@ def validate_train(t: TrainConfig) -> TrainConfig:
     _check_choice(t, "lr_schedule")
     if not t.out_dir:
         raise UserError("--out_dir must not be empty")
+    _check_seed(t.seed)
     return t
+
+
+MAX_SEED = 2**31 - 1  # what every consumer of the seed (PRNG keys, numpy generators) takes
+
+
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise UserError(f"--seed={seed} must be in [0, {MAX_SEED}]")
+
+
+MAX_NEW_TOKENS = 1_000_000  # per sample, per call: already hours of decoding
+MAX_SAMPLES = 65_536  # rows of one batch
 
 
 def validate_sample(s: SampleConfig) -> SampleConfig:
@@ -418,6 +431,11 @@ def validate_sample(s: SampleConfig) -> SampleConfig:
         raise UserError(f"--num_samples={s.num_samples} must be at least 1")
     if s.max_new_tokens < 0:
         raise UserError(f"--max_new_tokens={s.max_new_tokens} must be zero or more")
+    if s.max_new_tokens > MAX_NEW_TOKENS or s.num_samples > MAX_SAMPLES:
+        raise UserError(f"--max_new_tokens={s.max_new_tokens} --num_samples={s.num_samples} is beyond what one "
+                        f"call can hold or finish (at most {MAX_NEW_TOKENS:,} tokens and {MAX_SAMPLES:,} samples); "
+                        f"ask for less, or call it several times")
+    _check_seed(s.seed)
     if s.temperature < 0:
         raise UserError(f"--temperature={s.temperature} must be zero (greedy) or positive")
     if s.top_k < 0:
@@ -446,14 +464,32 @@ def to_dict(obj: Any) -> dict[str, Any]:
 def model_from_dict(d: dict[str, Any]) -> ModelConfig:
     """Rebuild a ModelConfig from JSON (a checkpoint's), ignoring keys it does not hold: checkpoints
     written before the architecture was split from `ComputeConfig` also stored dtype, dropout, ..."""
-    known = {f.name for f in fields(ModelConfig)}
-    return validate_model(ModelConfig(**{k: v for k, v in d.items() if k in known}))
+    return validate_model(ModelConfig(**_json_fields(ModelConfig, d)))
 
 
 def compute_from_dict(d: dict[str, Any]) -> ComputeConfig:
     """Rebuild a ComputeConfig from JSON (a checkpoint's), ignoring keys it does not hold."""
-    known = {f.name for f in fields(ComputeConfig)}
-    return validate_compute(ComputeConfig(**{k: v for k, v in d.items() if k in known}))
+    return validate_compute(ComputeConfig(**_json_fields(ComputeConfig, d)))
+
+
+def _json_fields(cls: type, d: Any) -> dict[str, Any]:
+    """The fields of `cls` in JSON object `d`, each of the field's type (a file may have been
+    edited: a wrong type is one line here, not a TypeError deep in validation)."""
+    if not isinstance(d, dict):
+        raise UserError(f"the checkpoint's {cls.__name__} section is {type(d).__name__}, not an object; the "
+                        f"checkpoint metadata was edited or is damaged")
+    out = {}
+    for name, typ in _field_types(cls).items():
+        if name not in d:
+            continue
+        v = d[name]
+        ok = {int: isinstance(v, int) and not isinstance(v, bool), bool: isinstance(v, bool), str: isinstance(v, str),
+              float: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(typ, True)
+        if not ok:
+            raise UserError(f"the checkpoint's {cls.__name__} has {name}={v!r}, not {getattr(typ, '__name__', typ)}; "
+                            f"the checkpoint metadata was edited or is damaged")
+        out[name] = float(v) if typ is float else v
+    return out
 
 
 def help_text(classes: Sequence[type]) -> str:

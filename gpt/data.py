@@ -219,6 +219,8 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
                         val_documents, include_patterns(include), errors, text_field, bool(skip_bad_records),
                         shard_tokens, _append_id(old))
     _check_settings(settings, backend, appending=old is not None)
+    _check_out_dir_outside(inputs, out_dir)
+    workers = _check_workers(workers)
     files = resolve_inputs(inputs, settings.include)
     if old is not None:
         files = _new_files(files, old, out_dir)
@@ -230,7 +232,6 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
     key = cache_key(files, settings if old is not None else
                     dataclasses.replace(settings, tokenizer=identity(tokenizer)))
     stage, created, progress = _stage(out_dir, key)
-    workers = (os.cpu_count() or 1) if workers is None else int(workers)
     keep = False  # keep the staging dir for a resume: not after bad input, which must be fixed first
     try:
         meta = _prepare_in(stage, sources, reading, rule, settings, old, progress, workers, backend, out_dir)
@@ -278,6 +279,26 @@ def _prepare_in(stage: Path, sources: list[Source], reading: Reading, rule, sett
                         f"--text_field={settings.text_field}")
     new = _meta(tok, dtype, shards, nbytes, settings, stats["skipped"], sources, hashers)
     return new if old is None else _appended_meta(old, new)
+
+
+def _check_workers(workers: int | None) -> int:
+    """The number of tokenizer processes: all cores by default, at most that many."""
+    cores = os.cpu_count() or 1
+    if workers is None:
+        return cores
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= cores:
+        raise UserError(f"--workers={workers} must be between 1 and this machine's {cores} core(s)")
+    return workers
+
+
+def _check_out_dir_outside(inputs, out_dir: Path) -> None:
+    """An out_dir inside an input folder would read its own output next time: refused."""
+    out = out_dir.resolve()
+    for raw in [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs:
+        p = Path(raw)
+        if p.is_dir() and (out == p.resolve() or p.resolve() in out.parents):
+            raise UserError(f"--out_dir {str(out_dir)!r} is inside the input folder {str(p)!r}; choose an "
+                            f"out_dir outside the inputs")
 
 
 def _check_settings(s: Settings, backend: str, appending: bool) -> None:

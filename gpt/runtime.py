@@ -14,6 +14,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from gpt.errors import UserError
 from gpt.config import ComputeConfig, ModelConfig
 from gpt.ops.attention import ATTENTION_BLOCK
 
@@ -84,6 +85,12 @@ def training_attention(choice: str, dtype: jnp.dtype, head_dim: int, backend: st
     a GPT-2 step on an H100; so auto takes cuDNN's flash attention where it applies (16-bit, head
     dim a multiple of 8 up to 128) and XLA elsewhere (figures: BENCHMARKS.md).
     """
+    if choice == "cudnn" and backend != "gpu":
+        raise UserError(f"--attention=cudnn needs an NVIDIA GPU with cuDNN, and this run is on {backend}; "
+                        f"use --attention=auto (or xla)")
+    if choice == "cudnn" and dtype not in (jnp.bfloat16, jnp.float16):
+        raise UserError(f"--attention=cudnn runs in 16 bits only, and the compute dtype is {jnp.dtype(dtype).name}; "
+                        f"add --dtype=bfloat16, or use --attention=auto")
     if choice != "auto":
         return _USER_ATTENTION[choice]
     if backend == "cpu":

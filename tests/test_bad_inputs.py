@@ -93,7 +93,26 @@ def w(tmp_path_factory, char_data):
     raw = gzip.compress(b"First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50)
     (root / "cut.txt.gz").write_bytes(raw[:len(raw) // 2])  # a truncated download
     _edited_data_dirs(root, char_data)
+    _edited_checkpoints(root, good)
+    (root / "textdir").mkdir()
+    (root / "textdir" / "a.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40)
     return dict(root=root, data=char_data, good=good, bad=bad, old_data=root / "old_data")
+
+
+def _edited_checkpoints(root: Path, good: Path) -> None:
+    """Copies of a trained run whose checkpoint metadata was edited by hand: a null section, a
+    wrong type, a tokenizer file name that climbs out of the directory."""
+    edits = {"ck_null_config": lambda m: m.update(config=None),
+             "ck_wrong_type": lambda m: m["config"]["model"].update(n_layer="four"),
+             "ck_traversal": lambda m: m.update(tokenizer={"kind": "bpe", "n_regular": 256, "file": "../../x.tiktoken",
+                                                           "sha256": "0" * 64, "vocab_size": 257, "eot_id": 256})}
+    for name, edit in edits.items():
+        shutil.copytree(good, root / name)
+        for s in ckpt.list_steps(root / name):
+            path = ckpt.checkpoint_dir(root / name) / str(s) / "meta" / "metadata"
+            meta = json.loads(path.read_text())
+            edit(meta)
+            path.write_text(json.dumps(meta))
 
 
 def _edited_data_dirs(root: Path, char_data: Path) -> None:
@@ -237,6 +256,41 @@ def cases(w) -> list[Case]:
              "update this code", new),
         Case("train align old format", [PY, "train.py", f"--data_dir={root / 'data_v1'}", "--align_documents",
                                         "--preset=tiny", f"--out_dir={new}"], "no document index", new),
+        Case("train cudnn without gpu", T + ["--attention=cudnn", f"--out_dir={new}"], "needs an NVIDIA GPU", new),
+        Case("train seed negative", T + ["--seed=-1", f"--out_dir={new}"], "--seed=-1 must be in", new),
+        Case("train seed huge", T + ["--seed=99999999999999999999", f"--out_dir={new}"], "--seed=", new),
+        Case("train n_embd absurd", T + ["--n_embd=100000000", "--n_head=1", f"--out_dir={new}"], "out of memory", new),
+        Case("train resume null config", [PY, "train.py", "--init_from=resume", f"--out_dir={root / 'ck_null_config'}",
+                                          f"--data_dir={data}"], "checkpoint", root / "ck_null_config"),
+        Case("train resume wrong type", [PY, "train.py", "--init_from=resume", f"--out_dir={root / 'ck_wrong_type'}",
+                                         f"--data_dir={data}"], "n_layer", root / "ck_wrong_type"),
+        Case("sample null config", [PY, "sample.py", f"--out_dir={root / 'ck_null_config'}"], "checkpoint",
+             root / "ck_null_config"),
+        Case("sample wrong type", [PY, "sample.py", f"--out_dir={root / 'ck_wrong_type'}"], "n_layer",
+             root / "ck_wrong_type"),
+        Case("sample tokenizer traversal", [PY, "sample.py", f"--out_dir={root / 'ck_traversal'}"], "x.tiktoken",
+             root / "ck_traversal"),
+        Case("evaluate tokenizer traversal", E + [f"--out_dir={root / 'ck_traversal'}", "--input",
+                                                  str(root / "text.txt")], "x.tiktoken", root / "ck_traversal"),
+        Case("sample absurd samples", S + ["--num_samples=100000000"], "--num_samples=100000000", good),
+        Case("sample absurd tokens", S + ["--max_new_tokens=1000000000"], "--max_new_tokens=1000000000", good),
+        Case("sample prompt and prompt file", S + ["--prompt=hi", f"--prompt_file={root / 'text.txt'}"],
+             "either --prompt or --prompt_file", good),
+        Case("sample endless prompt file", S + ["--prompt_file=/dev/zero"], "not a text prompt", good),
+        Case("sample seed negative", S + ["--seed=-5"], "--seed=-5", good),
+        Case("data workers above cores", D + ["--input", str(root / "text.txt"), "--tokenizer=char", "--workers=1000",
+                                              f"--out_dir={new}"], "--workers=1000", new),
+        Case("data out_dir is the input", D + ["--input", str(root / "textdir"), "--tokenizer=char",
+                                               f"--out_dir={root / 'textdir'}"], "inside the input folder",
+             root / "textdir"),
+        Case("data out_dir inside the input", D + ["--input", str(root / "textdir"), "--tokenizer=char",
+                                                   f"--out_dir={root / 'textdir' / 'out'}"], "inside the input folder",
+             root / "textdir"),
+        Case("data val_fraction one", D + ["--input", str(root / "text.txt"), "--tokenizer=char", "--val_fraction=1",
+                                           f"--out_dir={new}"], "val_fraction=1", new),
+        Case("data empty text_field", D + ["--input", str(root / "bad.jsonl"), "--tokenizer=char", "--text_field=",
+                                           f"--out_dir={new}"], "text_field", new),
+        Case("evaluate binary input", E + [f"--out_dir={good}", "--input", str(root / "binary.txt")], "binary", good),
         Case("train truncated gzip", [PY, "train.py", "--preset=tiny", f"--out_dir={new}",
                                       f"--input={root / 'cut.txt.gz'}", "--no_progress"],
              "cut.txt.gz' is not a valid gzip file", new, {"GPT_DATA_CACHE": str(root / "cache")}),
@@ -277,7 +331,8 @@ FAST = {"train unknown flag", "train negative lr", "train heads", "train block t
         "train model too big for memory", "sample all damaged", "sample tokenizer larger than model",
         "sample prompt outside vocab", "sample top_p above 1",
         "data not utf-8", "data empty corpus", "data jsonl not json", "data parquet no column",
-        "data val_documents all", "train data newer format",
+        "data val_documents all", "train data newer format", "sample endless prompt file",
+        "data out_dir is the input",
         "convert pickle only", "convert not gpt2", "evaluate no checkpoint"}
 
 
@@ -313,7 +368,7 @@ def run_matrix(selected: list[Case]) -> None:
 
 def test_matrix_is_big_and_names_are_unique(w):
     all_cases = cases(w)
-    assert len(all_cases) >= 30 and len({c.name for c in all_cases}) == len(all_cases)
+    assert len(all_cases) >= 90 and len({c.name for c in all_cases}) == len(all_cases)
     assert FAST <= {c.name for c in all_cases}
 
 
