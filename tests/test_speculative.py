@@ -1,0 +1,343 @@
+"""Speculative decoding (gpt/speculative.py): exactly the target's output, checked against the
+target's own greedy decoding, the target's filtered distributions (chi-squared), and a fresh
+prefill of the accepted text; sample.py --draft_out_dir end to end and its bad inputs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from scipy.stats import chisquare
+
+from helpers import REPO, tiny_model_config
+from gpt.model import GPT, init_cache
+from gpt.sampling import Sampler, SamplingSettings, generate, left_pad
+from gpt.speculative import (SpeculativeSampler, decode_speculative, generate_speculative,
+                             output_tokens, prefill_speculative, probs, speculate, verify)
+
+PROMPTS = [[5], [12, 40, 7, 3, 33], [int(x) for x in np.random.default_rng(0).integers(0, 65, 17)]]
+
+
+def greedy(n, eot=None):
+    return SamplingSettings(max_new_tokens=n, temperature=0.0, eot_id=eot)
+
+
+def perturbed(model: GPT, scale: float, seed: int = 1) -> GPT:
+    """The model with noise added to every weight: a draft that agrees with it part of the time."""
+    gd, params = nnx.split(model)
+
+    @jax.jit
+    def noisy(params):
+        leaves, tree = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.key(seed), len(leaves))
+        return jax.tree.unflatten(tree, [p + scale * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+    return nnx.merge(gd, noisy(params))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = GPT(tiny_model_config(block_size=96), rngs=nnx.Rngs(3))
+    return target, perturbed(target, 0.014)
+
+
+def run(target, draft, prompts, s, k, key=jax.random.key(0)):
+    """The final state of speculative decoding of `prompts` (left-padded), jitted."""
+    prompt_BP, start_B = left_pad(prompts)
+    return jax.jit(lambda p, b, key: speculate(target, draft, p, key, s, k, b))(prompt_BP, start_B, key)
+
+
+def plain_greedy(target, prompts, n, eot=None) -> np.ndarray:
+    """The target's own greedy output (plain cached decoding, left-padded layout)."""
+    f = jax.jit(lambda p, b: generate(target, p, jax.random.key(0), greedy(n, eot), b))
+    return np.asarray(f(*left_pad(prompts)))
+
+
+@pytest.fixture(scope="module")
+def greedy_64(pair):
+    return plain_greedy(pair[0], PROMPTS, 64)
+
+
+# ----------------------------------------------------------------------------- greedy: the target's own output
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equals_target_greedy(pair, greedy_64, k):
+    """64 greedy tokens, three prompt lengths in one batch: token for token the target's greedy
+    output, with the rows accepting different numbers of draft tokens."""
+    target, draft = pair
+    st = run(target, draft, PROMPTS, greedy(64), k)
+    np.testing.assert_array_equal(np.asarray(output_tokens(st, None, k)[:, 1:]), greedy_64)
+    accepted, drafted = np.asarray(st.accepted_B), np.asarray(st.drafted_B)
+    assert 0 < accepted.sum() < drafted.sum(), (accepted, drafted)
+    assert len(set(zip(accepted.tolist(), drafted.tolist()))) > 1, (accepted, drafted)  # rows differ
+    assert int(st.rounds) < 64 and (np.asarray(st.length_B) >= 1 + 17 + 64).all()
+
+
+def test_greedy_past_block_size_learned_positions():
+    """A learned-position target past block_size recomputes its window per token (nanoGPT's crop,
+    as plain sampling does) once a round no longer fits; a draft of another shape and block_size.
+    Equal to the plain sampler."""
+    target = GPT(tiny_model_config(block_size=16), rngs=nnx.Rngs(5))
+    draft = GPT(tiny_model_config(block_size=12, n_layer=1, n_embd=16), rngs=nnx.Rngs(6))
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    st = run(target, draft, prompts, greedy(40), 3)
+    assert not bool(st.speculating) and SpeculativeSampler.stats(st)["drafted"] > 0  # both kinds of round
+    np.testing.assert_array_equal(np.asarray(output_tokens(st, None, 3)[:, 1:]), plain_greedy(target, prompts, 40))
+
+
+def test_greedy_rope_rolls_past_block_size():
+    """RoPE target and draft: the caches roll (k spare slots), every round stays speculative, and
+    the output is the plain sampler's, which rolls its cache the same way (a prompt longer than
+    block_size cropped as it crops it)."""
+    rope = dict(pos_embedding="rope", norm="rmsnorm", mlp="swiglu", n_head=4, n_kv_head=2)
+    target = GPT(tiny_model_config(block_size=16, **rope), rngs=nnx.Rngs(5))
+    draft = perturbed(target, 0.004)
+    prompts = [list(range(1, 30)), [1, 2, 3, 4, 5], [7, 8]]
+    st = run(target, draft, prompts, greedy(40), 3)
+    assert bool(st.speculating) and st.target.k_LBSHK.shape[2] == 16 + 3
+    assert SpeculativeSampler.stats(st)["accepted"] > 0
+    np.testing.assert_array_equal(np.asarray(output_tokens(st, None, 3)[:, 1:]), plain_greedy(target, prompts, 40))
+
+
+def test_end_of_text_ends_a_row(pair, greedy_64):
+    """A row ends after the end-of-text token, and the output repeats it, as plain decoding does."""
+    target, draft = pair
+    P = greedy_64.shape[1] - 64
+    eot = int(greedy_64[1, P + 4])  # the token the second row emits fifth
+    st = run(target, draft, PROMPTS, greedy(30, eot), 4)
+    want = plain_greedy(target, PROMPTS, 30, eot)
+    np.testing.assert_array_equal(np.asarray(output_tokens(st, eot, 4)[:, 1:]), want)
+    rows = SpeculativeSampler(target, draft, greedy(30, eot), 4).new_tokens(st, PROMPTS)
+    assert rows[1][-1] == eot and len(rows[1]) <= 5 and bool(st.done_B[1])
+    for row, full in zip(rows, want[:, P:].tolist()):
+        assert row == (full[:full.index(eot) + 1] if eot in full else full)
+
+
+def test_sampler_chunks_equal_one_call(pair):
+    """Streaming a few rounds per call gives the same tokens as one jitted call with the same key."""
+    target, draft = pair
+    s = SamplingSettings(max_new_tokens=24, temperature=0.9, top_k=20, top_p=0.95)
+    prompt_BP, start_B = left_pad(PROMPTS)
+    (gd_t, p_t), (gd_d, p_d) = nnx.split(target), nnx.split(draft)
+
+    @jax.jit  # generate_speculative is pure: the parameters may be traced arguments
+    def f(p_t, p_d, prompt_BP, start_B, key):
+        return generate_speculative(nnx.merge(gd_t, p_t), nnx.merge(gd_d, p_d), prompt_BP, key, s, 3,
+                                    start_B)
+    whole = np.asarray(f(p_t, p_d, prompt_BP, start_B, jax.random.key(7)))
+    assert whole.shape == (3, 17 + 24)
+    sampler = SpeculativeSampler(target, draft, s, 3, rounds=2)
+    st = sampler.start(PROMPTS, jax.random.key(7))
+    n = 0
+    for st in sampler.chunks(st):
+        n += 1
+    assert n > 2
+    P = prompt_BP.shape[1]
+    assert sampler.new_tokens(st, PROMPTS) == whole[:, P:].tolist()
+
+
+# ----------------------------------------------------------------------------- caches after a rejection
+
+
+def test_caches_after_rejection_equal_fresh_prefill(pair):
+    """After rounds with rejections, each row's cached keys/values equal a fresh prefill of the text
+    it kept (the target's: all but its last token; the draft's: all but its last two)."""
+    target, draft = pair
+    s = SamplingSettings(max_new_tokens=12, temperature=0.3)
+    st = run(target, draft, PROMPTS, s, 4, jax.random.key(3))
+    accepted, drafted = np.asarray(st.accepted_B), np.asarray(st.drafted_B)
+    assert (accepted < drafted).all() and (accepted > 0).all(), (accepted, drafted)
+    for model, cache, behind in ((target, st.target, 1), (draft, st.draft, 2)):
+        n_B = np.asarray(st.length_B) - behind
+        np.testing.assert_array_equal(np.asarray(cache.index), n_B)
+        # One prefill of every row's text up to the longest: causal, so later tokens change nothing.
+        empty = init_cache(model.cfg, 3, cache.k_LBSHK.shape[2], jnp.float32, st.start_B)
+        fresh = jax.jit(lambda tokens, c: model(tokens, cache=c)[1])(st.tokens_BN[:, :n_B.max()], empty)
+        for b, (n, start) in enumerate(zip(n_B, np.asarray(st.start_B))):
+            for got, want in ((cache.k_LBSHK, fresh.k_LBSHK), (cache.v_LBSHK, fresh.v_LBSHK)):
+                np.testing.assert_allclose(np.asarray(got[:, b, start:n]), np.asarray(want[:, b, start:n]),
+                                           atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- the acceptance rule
+
+
+P_TOY = np.array([[0.30, 0.25, 0.20, 0.12, 0.08, 0.05],
+                  [0.05, 0.40, 0.10, 0.25, 0.15, 0.05],
+                  [0.10, 0.10, 0.10, 0.30, 0.30, 0.10],
+                  [0.50, 0.05, 0.05, 0.10, 0.10, 0.20]])  # the target at K+1 = 4 positions
+Q_TOY = np.array([[0.10, 0.40, 0.05, 0.30, 0.05, 0.10],
+                  [0.30, 0.20, 0.20, 0.10, 0.10, 0.10],
+                  [0.02, 0.18, 0.50, 0.10, 0.10, 0.10]])  # the draft at K = 3 positions
+SETTINGS = {"plain": SamplingSettings(temperature=1.0),
+            "temperature": SamplingSettings(temperature=0.6),
+            "top-k": SamplingSettings(temperature=1.0, top_k=4),
+            "top-p": SamplingSettings(temperature=1.3, top_p=0.8),
+            "top-k-top-p": SamplingSettings(temperature=0.8, top_k=5, top_p=0.7)}
+
+
+def toy_round(key, n: int, s: SamplingSettings, p=P_TOY, q=Q_TOY):
+    """n independent rounds on toy logits: drafts drawn from the filtered q, then `verify`."""
+    key_draft, key_verify = jax.random.split(key)
+    p_logits = jnp.broadcast_to(jnp.log(jnp.asarray(p, jnp.float32)), (n, *p.shape))
+    q_logits = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (n, *q.shape))
+    q_filtered = probs(q_logits, s)
+    draft = jax.random.categorical(key_draft, jnp.log(q_filtered), axis=-1).astype(jnp.int32)
+    kept, nxt = verify(key_verify, p_logits, q_logits, draft, s)
+    return np.asarray(draft), np.asarray(kept), np.asarray(nxt)
+
+
+def assert_distributed_as(counts: np.ndarray, want: np.ndarray):
+    """Chi-squared goodness of fit over the cells `want` gives mass; none outside them."""
+    n, want = counts.sum(), np.asarray(want, np.float64)
+    support = want > 0
+    assert counts[~support].sum() == 0, (counts, want)
+    stat, pvalue = chisquare(counts[support], want[support] / want[support].sum() * n)
+    assert pvalue > 1e-3, (counts, want * n, stat)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_first_token_distributed_as_filtered_target(name):
+    """40,000 rounds: the round's first token (the first draft token if kept, else the
+    replacement) is distributed as the target's *filtered* p at that position."""
+    s = SETTINGS[name]
+    draft, kept, nxt = toy_round(jax.random.key(11), 40_000, s)
+    first = np.where(kept >= 1, draft[:, 0], nxt)
+    want = np.asarray(probs(jnp.log(jnp.asarray(P_TOY[0], jnp.float32)), s))
+    assert_distributed_as(np.bincount(first, minlength=6), want)
+    assert 0.05 < (kept >= 1).mean() < 0.95  # both branches taken often
+
+
+def test_token_sequence_is_iid_target_when_it_ignores_context():
+    """Toy models that ignore the context: every output token is an independent draw from p, so
+    the first two tokens (within a round, or the second from the next round after a rejection;
+    the bonus token included) are distributed as p x p."""
+    s = SETTINGS["top-p"]
+    p, q = np.tile(P_TOY[:1], (4, 1)), np.tile(Q_TOY[:1], (3, 1))
+    n = 40_000
+    draft1, kept1, nxt1 = toy_round(jax.random.key(1), n, s, p, q)
+    draft2, kept2, nxt2 = toy_round(jax.random.key(2), n, s, p, q)
+    seq1 = np.where(np.arange(4) < kept1[:, None], np.pad(draft1, ((0, 0), (0, 1))), nxt1[:, None])
+    first2 = np.where(kept2 >= 1, draft2[:, 0], nxt2)
+    second = np.where(kept1 >= 1, seq1[:, 1], first2)
+    assert (kept1 == 3).mean() > 0.01  # the bonus token is drawn now and then
+    pf = np.asarray(probs(jnp.log(jnp.asarray(P_TOY[0], jnp.float32)), s))
+    assert_distributed_as(np.bincount(seq1[:, 0] * 6 + second, minlength=36), np.outer(pf, pf).ravel())
+
+
+def test_greedy_rule_keeps_tokens_while_they_are_the_argmax():
+    p = jnp.log(jnp.asarray(P_TOY, jnp.float32))[None].repeat(3, 0)  # argmax 0, 1, 3|4 (tie: 3), 0
+    q = jnp.zeros((3, 3, 6))
+    draft = jnp.array([[0, 1, 3], [0, 2, 3], [5, 1, 3]], jnp.int32)
+    kept, nxt = verify(jax.random.key(0), p, q, draft, greedy(1))
+    assert kept.tolist() == [3, 1, 0] and nxt.tolist() == [0, 1, 0]
+
+
+@pytest.mark.slow
+def test_end_to_end_two_tokens_distributed_as_target():
+    """Tiny GPTs, 20,000 rows of one prompt: the first two new tokens (drafted, verified, rolled
+    back and drafted again) are distributed as the target's own filtered p(x1) p(x2 | x1)."""
+    target = GPT(tiny_model_config(block_size=32), rngs=nnx.Rngs(3))
+    draft = perturbed(target, 0.02)
+    s = SamplingSettings(max_new_tokens=2, temperature=0.1, top_k=3)
+    prompt = [4, 9, 21, 30]
+    n = 20_000
+    out = generate_speculative(target, draft, jnp.array([prompt] * n, jnp.int32), jax.random.key(5), s, 2)
+    x1, x2 = np.asarray(out[:, 4]), np.asarray(out[:, 5])
+    p1 = np.asarray(probs(target(jnp.array([prompt]))[0][0, -1], s))
+    ctx = jnp.array([prompt + [v] for v in range(65)], jnp.int32)
+    p2 = np.asarray(probs(target(ctx)[0][:, -1], s))[:, :65]
+    joint = p1[:65, None] * p2
+    assert_distributed_as(np.bincount(x1 * 65 + x2, minlength=65 * 65), joint.ravel())
+
+
+# ----------------------------------------------------------------------------- sample.py --draft_out_dir
+
+
+CHARS = "".join(sorted(set((REPO / "data" / "shakespeare.txt").read_text()[:100_000])))
+
+
+def save_checkpoint(out_dir, model: GPT, chars: str = CHARS) -> None:
+    """`model` as a step-0 checkpoint with a char tokenizer (as gpt.convert writes one)."""
+    from gpt import checkpoint as ckpt
+    from gpt.config import to_dict
+    meta = {"format_version": ckpt.FORMAT_VERSION, "step": 0,
+            "config": {"model": to_dict(model.cfg), "train": {}},
+            "tokenizer": {"kind": "char", "chars": chars, "vocab_size": len(chars), "eot_id": None}}
+    c = ckpt.Checkpointer(out_dir, keep=1, async_save=False)
+    c.save(0, nnx.to_pure_dict(nnx.state(model)), {"none": np.zeros((), np.int32)}, meta, val_loss=None)
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """Checkpoints: a target, a draft that mostly agrees, a larger draft, a draft with another
+    tokenizer, one with another vocabulary, a damaged one."""
+    root = tmp_path_factory.mktemp("spec")
+    V = len(CHARS)
+    target = GPT(tiny_model_config(vocab_size=V, block_size=64), rngs=nnx.Rngs(3))
+    save_checkpoint(root / "target", target)
+    save_checkpoint(root / "draft", perturbed(target, 0.004))
+    save_checkpoint(root / "big", GPT(tiny_model_config(vocab_size=V, n_layer=3, n_embd=48), rngs=nnx.Rngs(4)))
+    save_checkpoint(root / "other_tok", target, CHARS[:-1] + "\u00e9")
+    save_checkpoint(root / "other_vocab", GPT(tiny_model_config(vocab_size=V + 1), rngs=nnx.Rngs(4)))
+    import shutil
+    shutil.copytree(root / "draft", root / "damaged")
+    for f in (root / "damaged" / "checkpoints" / "0" / "params").rglob("*"):
+        if f.is_file() and f.stat().st_size > 100:
+            f.write_bytes(f.read_bytes()[:50])
+    return root
+
+
+def sample(capsys, *argv):
+    """sample.py in this process: (exit status, stdout, stderr lines)."""
+    import sample as sample_cli
+    from gpt.errors import run_main
+    with pytest.raises(SystemExit) as e:
+        run_main(sample_cli.main, list(argv))
+    out, err = capsys.readouterr()
+    return e.value.code, out, [ln for ln in err.splitlines() if ln.strip()]
+
+
+def test_cli_speculative_equals_plain(dirs, capsys):
+    """Greedy and streamed: the same text as without a draft, past block_size; sampled, with a
+    stop string and several samples: each sample cut at the stop string."""
+    common = [f"--out_dir={dirs / 'target'}", "--prompt=ROMEO:", "--max_new_tokens=90"]
+    code, plain, _ = sample(capsys, *common, "--temperature=0")
+    assert code == 0
+    code, spec, err = sample(capsys, *common, "--temperature=0", f"--draft_out_dir={dirs / 'draft'}",
+                             "--num_draft_tokens=3")
+    assert code == 0 and spec == plain and "speculative decoding" in err[-1], err
+    code, out, err = sample(capsys, *common, "--temperature=0.8", "--top_k=10", "--top_p=0.9",
+                            "--num_samples=3", "--stop=e", f"--draft_out_dir={dirs / 'draft'}")
+    samples = out.rstrip("\n").split("\n---------------\n")
+    assert code == 0 and len(samples) == 3, out
+    assert all(x.startswith("ROMEO:") and "e" not in x[len("ROMEO:"):] for x in samples), samples
+
+
+def test_larger_draft_warns_once(dirs, capsys):
+    from gpt.checkpoint import load_model
+    from gpt.speculative import load_draft
+    target, _, tok = load_model(dirs / "target", "float32")
+    draft = load_draft(str(dirs / "big"), "float32", target, tok, str(dirs / "target"), 4)
+    assert draft.cfg.n_layer == 3
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith("warning: the draft") and "larger than the target" in err[0]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--draft_out_dir={root}/nowhere"], "--draft_out_dir="),
+    (["--draft_out_dir={root}/damaged"], "--draft_out_dir="),
+    (["--draft_out_dir={root}/other_tok"], "tokenizer"),
+    (["--draft_out_dir={root}/other_vocab"], "vocabulary"),
+    (["--draft_out_dir={root}/draft", "--num_draft_tokens=0"], "--num_draft_tokens=0"),
+    (["--draft_out_dir={root}/draft", "--num_draft_tokens=1000"], "--num_draft_tokens=1000"),
+    (["--num_draft_tokens=3"], "needs --draft_out_dir"),
+])
+def test_cli_bad_draft_is_one_line(dirs, capsys, flags, needle):
+    code, _, err = sample(capsys, f"--out_dir={dirs / 'target'}", "--max_new_tokens=4",
+                          *(f.format(root=dirs) for f in flags))
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    if "other_tok" in flags[0]:
+        assert str(dirs / "other_tok") in err[0] and str(dirs / "target") in err[0]
