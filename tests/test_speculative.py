@@ -12,9 +12,9 @@ from scipy.stats import chisquare
 
 from helpers import REPO, tiny_model_config
 from gpt.model import GPT, init_cache
-from gpt.sampling import Sampler, SamplingSettings, generate, left_pad
-from gpt.speculative import (SpeculativeSampler, decode_speculative, generate_speculative,
-                             output_tokens, prefill_speculative, probs, speculate, verify)
+from gpt.sampling import SamplingSettings, generate, left_pad
+from gpt.speculative import (SpeculativeSampler, generate_speculative, output_tokens, probs, speculate,
+                             verify)
 
 PROMPTS = [[5], [12, 40, 7, 3, 33], [int(x) for x in np.random.default_rng(0).integers(0, 65, 17)]]
 
@@ -178,10 +178,11 @@ SETTINGS = {"plain": SamplingSettings(temperature=1.0),
 
 
 def toy_round(key, n: int, s: SamplingSettings, p=P_TOY, q=Q_TOY):
-    """n independent rounds on toy logits: drafts drawn from the filtered q, then `verify`."""
+    """n independent rounds on toy logits (p [K+1, V] and q [K, V], or one of each per row):
+    drafts drawn from the filtered q, then `verify`."""
     key_draft, key_verify = jax.random.split(key)
-    p_logits = jnp.broadcast_to(jnp.log(jnp.asarray(p, jnp.float32)), (n, *p.shape))
-    q_logits = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (n, *q.shape))
+    p_logits = jnp.broadcast_to(jnp.log(jnp.asarray(p, jnp.float32)), (n, *p.shape[-2:]))
+    q_logits = jnp.broadcast_to(jnp.log(jnp.asarray(q, jnp.float32)), (n, *q.shape[-2:]))
     q_filtered = probs(q_logits, s)
     draft = jax.random.categorical(key_draft, jnp.log(q_filtered), axis=-1).astype(jnp.int32)
     kept, nxt = verify(key_verify, p_logits, q_logits, draft, s)
@@ -209,21 +210,43 @@ def test_first_token_distributed_as_filtered_target(name):
     assert 0.05 < (kept >= 1).mean() < 0.95  # both branches taken often
 
 
-def test_token_sequence_is_iid_target_when_it_ignores_context():
-    """Toy models that ignore the context: every output token is an independent draw from p, so
-    the first two tokens (within a round, or the second from the next round after a rejection;
-    the bonus token included) are distributed as p x p."""
-    s = SETTINGS["top-p"]
-    p, q = np.tile(P_TOY[:1], (4, 1)), np.tile(Q_TOY[:1], (3, 1))
-    n = 40_000
-    draft1, kept1, nxt1 = toy_round(jax.random.key(1), n, s, p, q)
-    draft2, kept2, nxt2 = toy_round(jax.random.key(2), n, s, p, q)
-    seq1 = np.where(np.arange(4) < kept1[:, None], np.pad(draft1, ((0, 0), (0, 1))), nxt1[:, None])
-    first2 = np.where(kept2 >= 1, draft2[:, 0], nxt2)
-    second = np.where(kept1 >= 1, seq1[:, 1], first2)
-    assert (kept1 == 3).mean() > 0.01  # the bonus token is drawn now and then
-    pf = np.asarray(probs(jnp.log(jnp.asarray(P_TOY[0], jnp.float32)), s))
-    assert_distributed_as(np.bincount(seq1[:, 0] * 6 + second, minlength=36), np.outer(pf, pf).ravel())
+def toy_sequences(key, n: int, s: SamplingSettings, p_LV, q_LV, k: int, length: int) -> np.ndarray:
+    """n token sequences of `length` from rounds of `verify` with toy models whose distribution
+    depends only on the position: the target's p_LV[i] and the draft's q_LV[i] at position i. Each
+    round starts where the row's text ends (after a rejection, the bonus token, ...)."""
+    out = np.zeros((n, length + 1), np.int64)  # the last column takes what is not kept
+    filled = np.zeros(n, np.int64)
+    rows = np.arange(n)[:, None]
+    L = p_LV.shape[0]
+    for r in range(length):  # every round emits at least one token
+        at = np.minimum(filled[:, None] + np.arange(k + 1), L - 1)
+        key, sub = jax.random.split(key)
+        draft, kept, nxt = toy_round(sub, n, s, p_LV[at], q_LV[at[:, :k]])
+        new = np.where(np.arange(k + 1) < kept[:, None], np.pad(draft, ((0, 0), (0, 1))), nxt[:, None])
+        j = np.arange(k + 1)
+        keep = (j <= kept[:, None]) & (filled[:, None] + j < length)
+        out[rows, np.where(keep, filled[:, None] + j, length)] = new
+        filled += kept + 1
+    return out[:, :length]
+
+
+P_POS = np.array([[0.30, 0.25, 0.20, 0.12, 0.08, 0.05], [0.05, 0.40, 0.10, 0.25, 0.15, 0.05],
+                  [0.10, 0.10, 0.10, 0.30, 0.30, 0.10], [0.02, 0.03, 0.05, 0.10, 0.20, 0.60],
+                  [0.50, 0.05, 0.05, 0.10, 0.10, 0.20], [0.20, 0.20, 0.20, 0.20, 0.10, 0.10]])
+
+
+def test_sequences_distributed_as_target_at_every_position():
+    """Toy models that depend on the position only: the target's text is independent draws x_i ~
+    p_i. 30,000 sequences of 5 tokens over rounds of K = 3 (the 4th token is the bonus token
+    whenever the first round keeps all three): each position's token and the pair (x_2, x_3) are
+    distributed as the filtered p."""
+    s = SETTINGS["top-k"]
+    q_pos = 0.5 * P_POS + 0.5 * np.roll(P_POS, 1, axis=1)  # close enough to keep 3 in a row often
+    seqs = toy_sequences(jax.random.key(4), 30_000, s, P_POS, q_pos, 3, 5)
+    pf = np.asarray(probs(jnp.log(jnp.asarray(P_POS, jnp.float32)), s))
+    for i in range(5):
+        assert_distributed_as(np.bincount(seqs[:, i], minlength=6), pf[i])
+    assert_distributed_as(np.bincount(seqs[:, 1] * 6 + seqs[:, 2], minlength=36), np.outer(pf[1], pf[2]).ravel())
 
 
 def test_greedy_rule_keeps_tokens_while_they_are_the_argmax():
@@ -243,8 +266,10 @@ def test_end_to_end_two_tokens_distributed_as_target():
     s = SamplingSettings(max_new_tokens=2, temperature=0.1, top_k=3)
     prompt = [4, 9, 21, 30]
     n = 20_000
-    out = generate_speculative(target, draft, jnp.array([prompt] * n, jnp.int32), jax.random.key(5), s, 2)
-    x1, x2 = np.asarray(out[:, 4]), np.asarray(out[:, 5])
+    st = speculate(target, draft, jnp.array([prompt] * n, jnp.int32), jax.random.key(5), s, 2)
+    assert 0.2 < SpeculativeSampler.stats(st)["acceptance_rate"] < 0.9  # both branches, often
+    out = np.asarray(output_tokens(st, None, 2)[:, 1:])
+    x1, x2 = out[:, 4], out[:, 5]
     p1 = np.asarray(probs(target(jnp.array([prompt]))[0][0, -1], s))
     ctx = jnp.array([prompt + [v] for v in range(65)], jnp.int32)
     p2 = np.asarray(probs(target(ctx)[0][:, -1], s))[:, :65]
