@@ -122,6 +122,12 @@ def prefill_cache(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, max_new_
     return cache._replace(index=jnp.full((B,), P0 - behind, jnp.int32))
 
 
+def always_fits(cache: KVCache, cfg) -> bool:
+    """Whether every round fits this cache whatever happens: it rolls, or block_size did not cap
+    it (then it has room for the whole prompt, every new token and k more)."""
+    return rolls(cfg) or cache.k_LBSHK.shape[2] < cfg.block_size
+
+
 def fits(cache: KVCache, cfg, k: int, active_B: jax.Array) -> jax.Array:
     """Whether every active row can write k + 1 more tokens (always, for a cache that rolls)."""
     if rolls(cfg):
@@ -265,6 +271,8 @@ def decode_speculative(target: GPT, draft: GPT, st: SpecState, s: SamplingSettin
     def body(carry):
         st, r = carry
         active_B = active(st, k)
+        if always_fits(st.target, target.cfg) and always_fits(st.draft, draft.cfg):
+            return speculative_round(target, draft, st, active_B, s, k), r + 1  # no branch needed
         spec = st.speculating & fits(st.target, target.cfg, k, active_B) & \
             fits(st.draft, draft.cfg, k, active_B)
         st = jax.lax.cond(spec, lambda st: speculative_round(target, draft, st, active_B, s, k),
