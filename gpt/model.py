@@ -118,19 +118,19 @@ def cache_positions(cache: KVCache | None, B: int, T: int, window: int
                     ) -> tuple[jax.Array, jax.Array | None]:
     """Positions [B, T] of this call's tokens, and (with a cache) which slots each query sees
     [B, T, S]: the slots holding its row's real tokens from the last `window` (at most S) up to its
-    own. A shared index gives a leading axis b of 1 below, a per-row one b = B."""
+    own. With a per-row index the token numbers below gain a leading B axis (x: none, or B)."""
     if cache is None:
         return jnp.broadcast_to(jnp.arange(T), (B, T)), None
     S = cache.k_LBSHK.shape[2]
     window = min(window, S)
-    index_b1 = jnp.reshape(cache.index, (-1, 1))
-    query_bT = index_b1 + jnp.arange(T)  # token numbers of this call's queries
-    last_b1 = index_b1 + T - 1
-    held_bS = last_b1 - jnp.mod(last_b1 - jnp.arange(S), S)  # the token each slot holds after this write
-    positions_BT = jnp.maximum(query_bT - cache.start_B[:, None], 0)
-    held_bTS, query_bTS = held_bS[:, None, :], query_bT[:, :, None]
-    mask_BTS = (held_bTS <= query_bTS) & (held_bTS > query_bTS - window) & (held_bTS >= 0) & \
-               (held_bTS >= cache.start_B[:, None, None])
+    index_x = cache.index if jnp.ndim(cache.index) == 0 else cache.index[:, None]
+    query_xT = index_x + jnp.arange(T)  # token numbers of this call's queries
+    last_x = index_x + T - 1
+    held_xS = last_x - jnp.mod(last_x - jnp.arange(S), S)  # the token each slot holds after this write
+    positions_BT = jnp.maximum(query_xT - cache.start_B[:, None], 0)
+    held_xTS, query_xTS = held_xS[..., None, :], query_xT[..., :, None]
+    mask_BTS = (held_xTS <= query_xTS) & (held_xTS > query_xTS - window) & (held_xTS >= 0) & \
+               (held_xTS >= cache.start_B[:, None, None])
     return positions_BT, mask_BTS
 
 

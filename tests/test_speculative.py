@@ -264,7 +264,7 @@ def test_end_to_end_two_tokens_distributed_as_target():
     prompt = [4, 9, 21, 30]
     n = 20_000
     st = speculate(target, draft, jnp.array([prompt] * n, jnp.int32), jax.random.key(5), s, 2)
-    assert 0.2 < SpeculativeSampler.stats(st)["acceptance_rate"] < 0.9  # both branches, often
+    assert 0.05 < SpeculativeSampler.stats(st)["acceptance_rate"] < 0.95  # both branches, often
     out = np.asarray(output_tokens(st, None, 2)[:, 1:])
     x1, x2 = out[:, 4], out[:, 5]
     p1 = np.asarray(probs(target(jnp.array([prompt]))[0][0, -1], s))
