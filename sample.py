@@ -44,6 +44,10 @@ def main(argv: Sequence[str]) -> int:
     from gpt.sampling import rolls
 
     model, meta, tok = load_model(cfg.out_dir, cfg.dtype)
+    draft = None
+    if cfg.draft_out_dir:  # checked before anything is printed
+        from gpt.speculative import load_draft
+        draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens)
     if cfg.top_k > model.cfg.vocab_size:
         if "top_k" in explicit:
             raise UserError(f"--top_k={cfg.top_k} exceeds the vocabulary ({model.cfg.vocab_size} "
@@ -51,11 +55,12 @@ def main(argv: Sequence[str]) -> int:
         cfg.top_k = 0  # the default (200) keeps the whole of a small vocabulary
     prompt = read_prompt(cfg, tok)
     if len(prompt) + cfg.max_new_tokens > model.cfg.block_size:
-        how = "a rolling KV cache" if rolls(model.cfg) else "recomputed windows, as nanoGPT does"
+        how = "a rolling KV cache" if rolls(model.cfg) else "recomputed windows, as nanoGPT does" + \
+            ("; the draft stops proposing there" if draft is not None else "")
         print(f"note: prompt + new tokens ({len(prompt) + cfg.max_new_tokens}) exceed block_size "
               f"{model.cfg.block_size}; each token attends to the last {model.cfg.block_size} "
               f"({how})", file=sys.stderr)
-    sampler = make_sampler(cfg, model, tok)
+    sampler = make_sampler(cfg, model, draft, tok)
     state = sampler.start([prompt] * cfg.num_samples, jax.random.key(cfg.seed))
     texts = lambda state: row_texts(sampler, state, prompt, tok, cfg)
     if cfg.stream and cfg.num_samples == 1:
@@ -69,14 +74,13 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def make_sampler(cfg, model, tok):
-    """The plain sampler, or with --draft_out_dir the speculative one (same interface)."""
+def make_sampler(cfg, model, draft, tok):
+    """The plain sampler, or with a draft the speculative one (same interface)."""
     from gpt.sampling import Sampler, settings_from
     settings = settings_from(cfg, tok.eot_id)
-    if not cfg.draft_out_dir:
+    if draft is None:
         return Sampler(model, settings)
-    from gpt.speculative import SpeculativeSampler, load_draft
-    draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens)
+    from gpt.speculative import SpeculativeSampler
     return SpeculativeSampler(model, draft, settings, cfg.num_draft_tokens)
 
 

@@ -29,6 +29,7 @@ rounds per call for streaming, with the same interface as `gpt.sampling.Sampler`
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -384,11 +385,15 @@ def load_draft(draft_dir: str, dtype: str, target: GPT, target_tok, target_dir: 
     with one warning."""
     import sys
 
-    from gpt.checkpoint import load_model
+    from gpt.checkpoint import list_steps, load_model
     from gpt.errors import UserError
     from gpt.model import num_params
     from gpt.tokenizer import fingerprint
 
+    if not list_steps(draft_dir):
+        there = "does not exist" if not Path(draft_dir).exists() else "holds no checkpoint"
+        raise UserError(f"--draft_out_dir={draft_dir} {there}; give a small model trained with the "
+                        f"target's tokenizer (python train.py --out_dir=DIR on the same data)")
     try:
         draft, _, draft_tok = load_model(draft_dir, dtype)
     except UserError as e:
