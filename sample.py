@@ -42,13 +42,19 @@ def main(argv: Sequence[str]) -> int:
     validate_sample(cfg)
     if "prompt" in explicit and "prompt_file" in explicit:
         raise UserError("give either --prompt or --prompt_file, not both")
+    if "num_draft_tokens" in explicit and not cfg.draft_out_dir:
+        raise UserError("--num_draft_tokens needs --draft_out_dir (the draft model that proposes them)")
 
     import jax
 
     from gpt.checkpoint import load_model
-    from gpt.sampling import Sampler, rolls, settings_from
+    from gpt.sampling import rolls
 
     model, meta, tok = load_model(cfg.out_dir, cfg.dtype)
+    draft = None
+    if cfg.draft_out_dir:  # checked before anything is printed
+        from gpt.speculative import load_draft
+        draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens)
     if cfg.top_k > model.cfg.vocab_size:
         if "top_k" in explicit:
             raise UserError(f"--top_k={cfg.top_k} exceeds the vocabulary ({model.cfg.vocab_size} "
@@ -56,18 +62,33 @@ def main(argv: Sequence[str]) -> int:
         cfg.top_k = 0  # the default (200) keeps the whole of a small vocabulary
     prompt = read_prompt(cfg, tok)
     if len(prompt) + cfg.max_new_tokens > model.cfg.block_size:
-        how = "a rolling KV cache" if rolls(model.cfg) else "recomputed windows, as nanoGPT does"
+        how = "a rolling KV cache" if rolls(model.cfg) else "recomputed windows, as nanoGPT does" + \
+            ("; the draft stops proposing there" if draft is not None else "")
         print(f"note: prompt + new tokens ({len(prompt) + cfg.max_new_tokens}) exceed block_size "
               f"{model.cfg.block_size}; each token attends to the last {model.cfg.block_size} "
               f"({how})", file=sys.stderr)
-    sampler = Sampler(model, settings_from(cfg, tok.eot_id))
+    sampler = make_sampler(cfg, model, draft, tok)
     state = sampler.start([prompt] * cfg.num_samples, jax.random.key(cfg.seed))
     texts = lambda state: row_texts(sampler, state, prompt, tok, cfg)
     if cfg.stream and cfg.num_samples == 1:
-        stream_one(sampler, state, tok.decode(prompt), texts, cfg.stop)
+        state = stream_one(sampler, state, tok.decode(prompt), texts, cfg.stop)
     else:
-        print_all(sampler, state, tok.decode(prompt), texts)
+        state = print_all(sampler, state, tok.decode(prompt), texts)
+    if cfg.draft_out_dir:
+        stats = sampler.stats(state)
+        print(f"note: speculative decoding: the target kept {100 * stats['acceptance_rate']:.0f}% of "
+              f"the draft's {stats['drafted']} tokens", file=sys.stderr)
     return 0
+
+
+def make_sampler(cfg, model, draft, tok):
+    """The plain sampler, or with a draft the speculative one (same interface)."""
+    from gpt.sampling import Sampler, settings_from
+    settings = settings_from(cfg, tok.eot_id)
+    if draft is None:
+        return Sampler(model, settings)
+    from gpt.speculative import SpeculativeSampler
+    return SpeculativeSampler(model, draft, settings, cfg.num_draft_tokens)
 
 
 def row_texts(sampler, state, prompt: list[int], tok, cfg) -> list[tuple[str, bool]]:
@@ -88,8 +109,8 @@ def continuation(tok, prompt: list[int], new: list[int]) -> str:
     return whole[len(head):] if whole.startswith(head) else tok.decode(new)
 
 
-def stream_one(sampler, state, prompt_text: str, texts, stop: list[str]) -> None:
-    """Print one sample as it is decoded, chunk by chunk."""
+def stream_one(sampler, state, prompt_text: str, texts, stop: list[str]):
+    """Print one sample as it is decoded, chunk by chunk; returns the last state."""
     hold = max((len(s) for s in stop), default=1) - 1  # a stop string may straddle chunks
     sys.stdout.write(prompt_text)
     printed = 0
@@ -105,18 +126,21 @@ def stream_one(sampler, state, prompt_text: str, texts, stop: list[str]) -> None
             break
     (text, _), = texts(state)
     sys.stdout.write(text[printed:] + "\n")
+    return state
 
 
-def print_all(sampler, state, prompt_text: str, texts) -> None:
-    """Decode every row to its end, then print the samples separated by a rule."""
-    final = None
+def print_all(sampler, state, prompt_text: str, texts):
+    """Decode every row to its end, then print the samples separated by a rule; returns the last
+    state."""
+    final = state
     for final in sampler.chunks(state):
         if all(stopped for _, stopped in texts(final)):
             break
-    for i, (text, _) in enumerate(texts(final if final is not None else state)):
+    for i, (text, _) in enumerate(texts(final)):
         if i:
             print("---------------")
         print(prompt_text + text)
+    return final
 
 
 if __name__ == "__main__":

@@ -19,13 +19,33 @@ token); float32 keeps them as trained. Each row also gives the memory-bandwidth 
 step (the bytes it must read: the weights as held plus the keys/values written so far, at the
 average context of the run, over the copy bandwidth measured in the same run) and the fraction of
 it reached (`bw_util`): batch-1 decoding is bound by reading the weights, not by FLOPs.
+
+Speculative decoding (gpt/speculative.py), plain and speculative side by side on the same target:
+
+    python bench/sample.py --speculative [--configs=] [--pair=shakespeare|tiny] [--pair_iters=N]
+                           [--target_dir=DIR --draft_dir=DIR] [--num_draft_tokens=4]
+                           [--spec_tokens=200] [--spec_batch=1]
+
+A trained pair is needed (random weights accept almost nothing): --target_dir/--draft_dir, or a
+pair trained here on the bundled Shakespeare with train.py and cached by its flags under
+$GPT_BENCH_CACHE (default ~/.cache/gpt-jax-bench): `shakespeare` is the shakespeare-char target
+(10.7M parameters) and a 2-layer, 128-wide draft (0.4M, 25x smaller); `tiny` is a smoke test.
+Greedy (temperature 0), so both paths must give the same tokens (checked). Reported: tokens/s of
+plain cached decoding and of speculative decoding (decode only, prefill excluded), the measured
+speedup, the acceptance rate a (accepted / drafted tokens), tokens per target forward, the step
+times of the target, the draft and the target's (K+1)-token verifying forward, and the speedup
+they predict (Leviathan et al.): tokens per round (1 - a^(K+1)) / (1 - a) over the round's cost
+(K draft steps + one verifying forward) in target steps.
 The last line printed is one JSON object.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +64,7 @@ from gpt.model import GPT, num_params  # noqa: E402
 from gpt.runtime import resolve  # noqa: E402
 from bench.nocache import full_recompute_generate  # noqa: E402
 from gpt.sampling import SamplingSettings, decode, prefill  # noqa: E402
+from gpt import speculative as spec  # noqa: E402
 
 ARCH = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 CHAR_VOCAB = 65
@@ -146,6 +167,135 @@ def enable_compile_cache() -> str:
     return d
 
 
+# ----------------------------------------------------------------------------- speculative decoding
+
+DRAFT_FLAGS = ["--n_layer=2", "--n_head=2", "--n_embd=128"]
+PAIRS = {  # (target, draft) train.py flags; both on the bundled Shakespeare, so one char tokenizer
+    "shakespeare": (["--preset=shakespeare-char"], ["--preset=shakespeare-char", *DRAFT_FLAGS]),
+    "tiny": (["--preset=tiny", "--n_embd=64", "--n_head=4", "--block_size=64"],
+             ["--preset=tiny", "--block_size=64"]),
+}
+
+
+def train_pair(name: str, iters: int, root: Path) -> tuple[Path, Path]:
+    """The pair's checkpoints, trained with train.py on first use and cached by their flags (an
+    interrupted run is resumed)."""
+    from gpt.checkpoint import list_steps
+    dirs = []
+    for flags in PAIRS[name]:
+        flags = flags + [f"--max_iters={iters}", f"--lr_decay_iters={iters}",
+                         f"--eval_interval={iters}", f"--warmup_iters={min(100, iters // 10)}"]
+        out = root / hashlib.sha256(json.dumps(flags).encode()).hexdigest()[:16]
+        steps = list_steps(out)
+        if not steps or steps[-1] < iters:
+            resume = ["--init_from=resume"] if steps else []
+            print(f"training {' '.join(flags)} into {out}", flush=True)
+            subprocess.run([sys.executable, str(REPO / "train.py"), f"--out_dir={out}", "--no_progress",
+                            *flags, *resume], check=True, cwd=REPO)
+        dirs.append(out)
+    return dirs[0], dirs[1]
+
+
+def corpus_prompt(tok, n: int) -> list[int]:
+    """n tokens from the validation end of the bundled corpus (text neither model trained on)."""
+    text = (REPO / "data" / "shakespeare.txt").read_text()
+    return tok.encode(text[-len(text) // 20:])[:n]
+
+
+def time_plain(model: GPT, params, prompt_BP, n: int, reps: int) -> tuple[float, jax.Array]:
+    """(seconds per decode step, tokens) of plain greedy cached decoding, prefill excluded."""
+    gd = nnx.graphdef(model)
+    s = SamplingSettings(max_new_tokens=n, temperature=0.0)
+    start = jnp.zeros((prompt_BP.shape[0],), jnp.int32)
+    state = jax.jit(lambda p, x: prefill(nnx.merge(gd, p), x, start, jax.random.key(0), n))(params, prompt_BP)
+    dec = jax.jit(lambda p, st: decode(nnx.merge(gd, p), st, n, s))
+    t, out = timed(lambda: dec(params, state), reps)
+    return t / n, out.tokens_BN
+
+
+def time_verify(model: GPT, params, B: int, k: int, context: int, n: int, reps: int) -> float:
+    """Seconds of the target's verifying forward (k + 1 tokens into a per-row cache at `context`),
+    run n times in one compiled loop as the decode steps are, so call overhead is not counted."""
+    from gpt.model import init_cache
+    gd = nnx.graphdef(model)
+    cache = init_cache(model.cfg, B, min(context + k + 1, model.cfg.block_size), model.rt.dtype)
+    cache = cache._replace(index=jnp.full((B,), min(context, cache.k_LBSHK.shape[2] - k - 1), jnp.int32))
+
+    @jax.jit
+    def loop(params, cache):
+        m = nnx.merge(gd, params)
+
+        def body(i, carry):  # the same position every time: the cache's index is put back
+            c, tokens_BT = carry
+            logits_BTV, written = m(tokens_BT, cache=c)
+            return written._replace(index=c.index), jnp.argmax(logits_BTV, -1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, n, body, (cache, jnp.zeros((B, k + 1), jnp.int32)))[1]
+    return timed(lambda: loop(params, cache), reps)[0] / n
+
+
+def time_speculative(target: GPT, draft: GPT, pt, pd, prompt_BP, n: int, k: int, reps: int):
+    """(seconds of the decode loop, final state) of greedy speculative decoding, prefill excluded."""
+    gt, gd = nnx.graphdef(target), nnx.graphdef(draft)
+    s = SamplingSettings(max_new_tokens=n, temperature=0.0)
+    start = jnp.zeros((prompt_BP.shape[0],), jnp.int32)
+    merge = lambda pt, pd: (nnx.merge(gt, pt), nnx.merge(gd, pd))
+    st = jax.jit(lambda pt, pd, x: spec.prefill_speculative(*merge(pt, pd), x, start, jax.random.key(0), s, k))(
+        pt, pd, prompt_BP)
+    dec = jax.jit(lambda pt, pd, st: spec.decode_speculative(*merge(pt, pd), st, s, k, n))
+    return timed(lambda: dec(pt, pd, st), reps)
+
+
+def predicted_speedup(alpha: float, k: int, t_target: float, t_draft: float, t_verify: float) -> float:
+    """Leviathan et al.'s expected tokens per round, (1 - a^(k+1)) / (1 - a), over a round's cost
+    (k draft steps and one verifying forward) in target steps."""
+    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens * t_target / (k * t_draft + t_verify)
+
+
+def bench_speculative(args) -> dict:
+    from gpt.checkpoint import load_model
+    from gpt.model import num_params
+    if args.target_dir and args.draft_dir:
+        target_dir, draft_dir = Path(args.target_dir), Path(args.draft_dir)
+    else:
+        root = Path(os.environ.get("GPT_BENCH_CACHE", Path.home() / ".cache" / "gpt-jax-bench"))
+        target_dir, draft_dir = train_pair(args.pair, args.pair_iters, root)
+    target, _, tok = load_model(target_dir, args.dtype)
+    draft = spec.load_draft(str(draft_dir), args.dtype, target, tok, str(target_dir), args.num_draft_tokens)
+    held = lambda m: hold_in(nnx.state(m), m.rt.dtype) if args.weights == "compute" else nnx.state(m)
+    pt, pd = held(target), held(draft)
+    B, N, K = args.spec_batch, args.spec_tokens, args.num_draft_tokens
+    prompt_BP = jnp.array([corpus_prompt(tok, args.prompt_len)] * B, jnp.int32)
+    P = prompt_BP.shape[1]
+    if P + 1 + N + K > min(target.cfg.block_size, draft.cfg.block_size):
+        print(f"note: prompt + new tokens + {K} pass a block_size; rounds past it are target-only steps")
+    t_target, plain_tokens = time_plain(target, pt, prompt_BP, N, args.reps)
+    t_draft, _ = time_plain(draft, pd, prompt_BP, N, args.reps)
+    t_verify = time_verify(target, pt, B, K, P + N // 2, N, args.reps)
+    t_spec, st = time_speculative(target, draft, pt, pd, prompt_BP, N, K, args.reps)
+    stats = spec.SpeculativeSampler.stats(st)
+    alpha = stats["acceptance_rate"]
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(pt))
+    row = {"target": str(target_dir), "draft": str(draft_dir), "target_params_m": num_params(target.cfg) / 1e6,
+           "draft_params_m": num_params(draft.cfg) / 1e6, "batch": B, "prompt_len": P, "new_tokens": N,
+           "num_draft_tokens": K, "plain_tokens_per_sec": B / t_target,
+           "speculative_tokens_per_sec": B * N / t_spec, "speedup": t_target * N / t_spec,
+           "acceptance_rate": alpha, "tokens_per_target_forward": N / stats["target_forwards"],
+           "target_step_ms": 1e3 * t_target, "draft_step_ms": 1e3 * t_draft, "verify_ms": 1e3 * t_verify,
+           "predicted_speedup": predicted_speedup(alpha, K, t_target, t_draft, t_verify),
+           "same_tokens": bool((spec.output_tokens(st, None, K)[:, 1:] == plain_tokens).all()),
+           **bandwidth_bound(target.cfg, B, P + N / 2, weight_bytes, jnp.dtype(target.rt.dtype).itemsize,
+                             args.copy_gbps, t_target)}
+    print(f"speculative decoding, K={K}, batch {B}, greedy: plain {row['plain_tokens_per_sec']:.1f} tok/s "
+          f"({100 * row['bw_util']:.0f}% of the bandwidth bound), speculative "
+          f"{row['speculative_tokens_per_sec']:.1f} tok/s: {row['speedup']:.2f}x (predicted "
+          f"{row['predicted_speedup']:.2f}x); acceptance {100 * alpha:.0f}%, "
+          f"{row['tokens_per_target_forward']:.2f} tokens per target forward; steps: target "
+          f"{row['target_step_ms']:.2f} ms, draft {row['draft_step_ms']:.2f} ms, verify "
+          f"{row['verify_ms']:.2f} ms; same tokens: {row['same_tokens']}", flush=True)
+    return row
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,shakespeare-char,gpt2")
@@ -161,6 +311,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--baseline_reps", type=int, default=1, help="timed baseline runs (slow)")
     ap.add_argument("--weights", default="compute", choices=("compute", "float32"),
                     help="parameters as held while decoding: cast to the compute dtype, or float32")
+    ap.add_argument("--speculative", action="store_true", help="also plain vs speculative decoding")
+    ap.add_argument("--pair", default="shakespeare", choices=tuple(PAIRS))
+    ap.add_argument("--pair_iters", type=int, default=2000, help="training steps of each model of --pair")
+    ap.add_argument("--target_dir", default="", help="a trained target (with --draft_dir: no training)")
+    ap.add_argument("--draft_dir", default="")
+    ap.add_argument("--num_draft_tokens", type=int, default=4)
+    ap.add_argument("--spec_tokens", type=int, default=200, help="new tokens of the speculative comparison")
+    ap.add_argument("--spec_batch", type=int, default=1)
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.baseline_batches = [int(b) for b in args.baseline_batches.split(",") if b]
@@ -174,14 +332,16 @@ def main(argv: list[str]) -> int:
     print(f"device: {device}; jax {jax.__version__}; prompt {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens; weights {args.weights}; measured copy bandwidth "
           f"{args.copy_gbps:,.0f} GB/s")
-    print(f"{'config':<17} {'batch':>5} {'prefill ms':>11} {'cached tok/s':>12} {'ms/step':>9} "
-          f"{'nocache t/s':>10} {'speedup':>9} {'bw bound':>9}")
     rows = []
+    if configs:
+        print(f"{'config':<17} {'batch':>5} {'prefill ms':>11} {'cached tok/s':>12} {'ms/step':>9} "
+              f"{'nocache t/s':>10} {'speedup':>9} {'bw bound':>9}")
     for c in configs:
         rows += bench_config(c, args)
+    speculative = bench_speculative(args) if args.speculative else None
     print(json.dumps({"device": device, "jax": jax.__version__, "prompt_len": args.prompt_len,
                       "new_tokens": args.new_tokens, "weights": args.weights,
-                      "copy_gbps": args.copy_gbps, "results": rows}))
+                      "copy_gbps": args.copy_gbps, "results": rows, "speculative": speculative}))
     import shutil
     shutil.rmtree(cache_dir, ignore_errors=True)
     return 0

@@ -131,6 +131,11 @@ class SampleConfig:
     stop: list[str] = field(default_factory=list)
     dtype: str = "auto"
     stream: bool = True
+    draft_out_dir: str = ""  # a smaller model with the same tokenizer: speculative decoding (gpt/speculative.py)
+    num_draft_tokens: int = 4  # with --draft_out_dir: tokens the draft proposes per target forward
+
+
+MAX_DRAFT_TOKENS = 32  # each draft token is kept only if all before it were: longer drafts are waste
 
 
 _GPT2_TRAIN = dict(
@@ -444,6 +449,10 @@ def validate_sample(s: SampleConfig) -> SampleConfig:
         raise UserError(f"--top_p={s.top_p} must be in (0, 1]")
     if s.dtype not in _CHOICES["dtype"]:
         raise UserError(f"--dtype={s.dtype} is not valid (choose from {', '.join(_CHOICES['dtype'])})")
+    if not 1 <= s.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise UserError(f"--num_draft_tokens={s.num_draft_tokens} must be 1 to {MAX_DRAFT_TOKENS} (a "
+                        f"draft token is kept only if all before it were, so long drafts are wasted "
+                        f"work; 2-8 is typical)")
     return s
 
 

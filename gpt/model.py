@@ -37,10 +37,15 @@ DYT_ALPHA = 0.5  # DyT's initial alpha (the paper's default)
 class KVCache(NamedTuple):
     """Preallocated keys/values of every layer plus where to write next.
 
-    `index` is the number of tokens written so far (shared by all rows); token i goes to slot
-    i mod S, so once `index` passes S the cache is a ring holding the last S tokens, which is how
-    RoPE models decode past block_size (their keys keep their absolute positions). A call of T > 1
-    tokens must not wrap (index mod S + T <= S, as in a prefill): it is written as one slice.
+    `index` is the number of tokens written so far; token i goes to slot i mod S, so once `index`
+    passes S the cache is a ring holding the last S tokens, which is how RoPE models decode past
+    block_size (their keys keep their absolute positions). A query attends to at most the last
+    block_size tokens, so a cache may hold more slots than that (speculative decoding keeps K spare
+    slots, so the K+1 tokens it verifies never overwrite what their first query must still see).
+    A scalar `index` is shared by all rows (plain decoding): a call of T > 1 tokens must then not
+    wrap (index mod S + T <= S, as in a prefill), as it is written as one slice. An index of shape
+    [B] counts each row's own tokens (speculative decoding, where rows accept different numbers of
+    tokens; rolling back is lowering it): each row's tokens are scattered to their slots and may wrap.
     Rows of different prompt lengths are left-padded, and `start_B` is each row's first real token,
     so padding is never attended to and positions count from it (a negative start: the row began
     before the cache's first token, as when a window from the middle of a text is recomputed at
@@ -48,7 +53,7 @@ class KVCache(NamedTuple):
     """
     k_LBSHK: jax.Array
     v_LBSHK: jax.Array
-    index: jax.Array  # int32 scalar
+    index: jax.Array  # int32: scalar (shared by all rows) or [B] (per row)
     start_B: jax.Array  # int32 [B]
 
 
@@ -109,20 +114,38 @@ def sinusoidal(positions: jax.Array, dim: int) -> jax.Array:
     return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(*positions.shape, dim)
 
 
-def cache_positions(cache: KVCache | None, B: int, T: int) -> tuple[jax.Array, jax.Array | None]:
+def cache_positions(cache: KVCache | None, B: int, T: int, window: int
+                    ) -> tuple[jax.Array, jax.Array | None]:
     """Positions [B, T] of this call's tokens, and (with a cache) which slots each query sees
-    [B, T, S]: the slots holding its row's real tokens from the last S up to its own."""
+    [B, T, S]: the slots holding its row's real tokens from the last `window` (at most S) up to its
+    own. With a per-row index the token numbers below gain a leading B axis (x: none, or B)."""
     if cache is None:
         return jnp.broadcast_to(jnp.arange(T), (B, T)), None
     S = cache.k_LBSHK.shape[2]
-    query_T = cache.index + jnp.arange(T)  # token numbers of this call's queries
-    last = cache.index + T - 1
-    held_S = last - jnp.mod(last - jnp.arange(S), S)  # the token each slot holds after this write
-    positions_BT = jnp.maximum(query_T[None] - cache.start_B[:, None], 0)
-    held_1TS, query_1TS = held_S[None, None, :], query_T[None, :, None]
-    mask_BTS = (held_1TS <= query_1TS) & (held_1TS > query_1TS - S) & (held_1TS >= 0) & \
-               (held_1TS >= cache.start_B[:, None, None])
+    window = min(window, S)
+    index_x = cache.index if jnp.ndim(cache.index) == 0 else cache.index[:, None]
+    query_xT = index_x + jnp.arange(T)  # token numbers of this call's queries
+    last_x = index_x + T - 1
+    held_xS = last_x - jnp.mod(last_x - jnp.arange(S), S)  # the token each slot holds after this write
+    positions_BT = jnp.maximum(query_xT - cache.start_B[:, None], 0)
+    held_xTS, query_xTS = held_xS[..., None, :], query_xT[..., :, None]
+    mask_BTS = (held_xTS <= query_xTS) & (held_xTS > query_xTS - window) & (held_xTS >= 0) & \
+               (held_xTS >= cache.start_B[:, None, None])
     return positions_BT, mask_BTS
+
+
+def write_cache(cache_xBSGK: jax.Array, new_xBTGK: jax.Array, index: jax.Array) -> jax.Array:
+    """`new` (this call's keys or values, any leading axes x) written into the cache's slots from
+    `index` on (see KVCache): one slice for a shared index, a per-row scatter (wrapping around the
+    ring) for an index of shape [B]."""
+    S, T = cache_xBSGK.shape[-3], new_xBTGK.shape[-3]
+    new_xBTGK = new_xBTGK.astype(cache_xBSGK.dtype)
+    if jnp.ndim(index) == 0:
+        at = (0,) * (cache_xBSGK.ndim - 3) + (index % S, 0, 0)
+        return jax.lax.dynamic_update_slice(cache_xBSGK, new_xBTGK, at)
+    slots_BT = jnp.mod(index[:, None] + jnp.arange(T), S)
+    rows_B1 = jnp.arange(index.shape[0])[:, None]
+    return cache_xBSGK.at[..., rows_B1, slots_BT, :, :].set(new_xBTGK)
 
 
 def _value(p: nnx.Param | None):
@@ -234,9 +257,8 @@ class Block(nnx.Module):
         if kv is None:
             k_BSGK, v_BSGK, impl = k_BTGK, v_BTGK, rt.attention
         else:
-            at = (0, cache_index % kv[0].shape[1], 0, 0)  # a ring: see KVCache (no call wraps)
             new_kv = tuple(new.astype(c.dtype) for c, new in zip(kv, (k_BTGK, v_BTGK)))
-            k_BSGK, v_BSGK = (jax.lax.dynamic_update_slice(c, new, at) for c, new in zip(kv, new_kv))
+            k_BSGK, v_BSGK = (write_cache(c, new, cache_index) for c, new in zip(kv, new_kv))
             kv, impl = new_kv, rt.cached_attention
         groups = cfg.n_head // cfg.kv_heads  # each key/value head serves `groups` query heads
         k_BSHK, v_BSHK = (jnp.repeat(a, groups, axis=2) if groups > 1 else a for a in (k_BSGK, v_BSGK))
@@ -286,7 +308,7 @@ class GPT(nnx.Module):
         B, T = idx_BT.shape
         if cache is not None and T > cache.k_LBSHK.shape[2]:
             raise ValueError(f"{T} tokens do not fit a KV cache of {cache.k_LBSHK.shape[2]} slots")
-        positions_BT, mask_BTS = cache_positions(cache, B, T)
+        positions_BT, mask_BTS = cache_positions(cache, B, T, cfg.block_size)
         # The residual stream is float32 whatever dtype the weights are held in.
         x_BTD = self.wte[...][idx_BT].astype(jnp.float32)
         if cfg.pos_embedding == "learned":
@@ -323,8 +345,7 @@ class GPT(nnx.Module):
         x_BTD, kv_L = jax.lax.scan(body, x_BTD, (state, jnp.arange(L), kv_L),
                                    unroll=1 if rt.scan_layers else L)
         if cache is not None:  # this call's keys/values [L, B, T, G, K] into their slots
-            at = (0, 0, cache.index % cache.k_LBSHK.shape[2], 0, 0)
-            k_LBSHK, v_LBSHK = (jax.lax.dynamic_update_slice(c, new, at)
+            k_LBSHK, v_LBSHK = (write_cache(c, new, cache.index)
                                 for c, new in zip((cache.k_LBSHK, cache.v_LBSHK), kv_L))
             cache = KVCache(k_LBSHK, v_LBSHK, cache.index + x_BTD.shape[1], cache.start_B)
         return x_BTD, cache

@@ -352,6 +352,15 @@ def load_tokenizer(spec: dict, base_dir: str | Path) -> Tokenizer:
     raise UserError(f"unknown tokenizer kind {kind!r} in spec; valid kinds: gpt2, char, bpe, hf")
 
 
+def fingerprint(tok: Tokenizer, base_dir: str | Path) -> str:
+    """What makes two checkpoints' tokenizers the same (speculative decoding pairs models by it):
+    the spec without its file names and prompt template, and the content of the files it names,
+    wherever they are."""
+    spec = {k: v for k, v in tok.spec.items() if k not in ("file", "prompt_template")}
+    files = [hashlib.sha256(inside(base_dir, f).read_bytes()).hexdigest() for f in tok.files()]
+    return json.dumps({"spec": spec, "files": files}, sort_keys=True)
+
+
 def inside(base_dir: str | Path, name: object) -> Path:
     """base_dir/name for a file name read from metadata, which must stay inside base_dir."""
     if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):

@@ -208,6 +208,10 @@ def cases(w) -> list[Case]:
         Case("sample negative tokens", S + ["--max_new_tokens=-1"], "--max_new_tokens=-1", good),
         Case("sample missing prompt file", S + [f"--prompt_file={root / 'nope.txt'}"], "--prompt_file", good),
         Case("sample unknown flag", S + ["--temprature=1"], "did you mean --temperature", good),
+        Case("sample draft missing", S + [f"--draft_out_dir={root / 'nowhere'}"], "--draft_out_dir=", good),
+        Case("sample draft damaged", S + [f"--draft_out_dir={bad}"], "every checkpoint", good),
+        Case("sample draft tokens 0", S + [f"--draft_out_dir={good}", "--num_draft_tokens=0"],
+             "--num_draft_tokens=0", good),
         # python -m gpt.data
         Case("data missing path", D + ["--input", str(root / "nope.txt"), "--tokenizer=char",
                                        f"--out_dir={new}"], "does not exist", new),

@@ -108,7 +108,8 @@ def test_config_files_toml_and_json(tmp_path):
 @pytest.mark.parametrize("argv,field", [
     (["--top_p=0"], "top_p"), (["--top_p=1.5"], "top_p"), (["--top_k=-1"], "top_k"),
     (["--temperature=-0.1"], "temperature"), (["--num_samples=0"], "num_samples"),
-    (["--max_new_tokens=-5"], "max_new_tokens"),
+    (["--max_new_tokens=-5"], "max_new_tokens"), (["--num_draft_tokens=0"], "num_draft_tokens"),
+    (["--num_draft_tokens=33"], "num_draft_tokens"),
 ])
 def test_sample_settings_validated(argv, field):
     (s,), _ = build([SampleConfig], argv)

@@ -79,6 +79,22 @@ def test_kv_cache_matches_full_forward():
     assert float(jnp.abs(got[..., :65] - full[..., :65]).max()) < 1e-4
 
 
+def test_per_row_cache_index_matches_full_forward():
+    """A per-row index (speculative decoding): each row writes several tokens from its own offset,
+    and a row whose index was lowered (a rollback) overwrites the slots it gave up."""
+    cfg = tiny_model_config()
+    model = make(cfg)
+    x = tokens(2, 20, 65)
+    full, _ = model(x)
+    cache = M.init_cache(cfg, 2, 32, jnp.float32)
+    _, cache = model(jnp.concatenate([x[:, :6], jnp.zeros((2, 3), jnp.int32)], axis=1), cache=cache)
+    cache = cache._replace(index=jnp.array([6, 4]))  # junk in slots 6-8; row 1 also gives up 4-5
+    out, cache = model(jnp.stack([x[0, 6:9], x[1, 4:7]]), cache=cache)
+    assert cache.index.tolist() == [9, 7]
+    assert float(jnp.abs(out[0, :, :65] - full[0, 6:9, :65]).max()) < 1e-4
+    assert float(jnp.abs(out[1, :, :65] - full[1, 4:7, :65]).max()) < 1e-4
+
+
 def test_left_padded_cache_rows_match_unpadded():
     """A left-padded row gives the same logits as the same prompt alone (positions count from 0)."""
     cfg = tiny_model_config()
