@@ -262,6 +262,27 @@ def damaged_message(out_dir: str | Path, steps: list[int], why: str = "") -> str
             f"nothing to resume or sample from: train again with --init_from=scratch --overwrite")
 
 
+# What our checkpoints' metadata may hold: training runs, conversions (source, hf_model_type), LoRA.
+META_KEYS = frozenset({"format_version", "step", "config", "tokenizer", "data_dir", "val_loss", "best_val_loss",
+                       "source", "hf_model_type", "lora"})
+
+
+def check_meta(meta: dict[str, Any], out_dir: str | Path, step: int) -> None:
+    """A readable checkpoint's metadata is one this code wrote and can read: its format version
+    is not newer, and it has no keys we never write. Such a checkpoint is intact but
+    incompatible, so the message never suggests deleting it (--overwrite)."""
+    where = f"checkpoint step {step} in {checkpoint_dir(out_dir)}"
+    v = meta.get("format_version")
+    if isinstance(v, int) and not isinstance(v, bool) and v > FORMAT_VERSION:
+        raise UserError(f"{where} was written by a newer version of this code (checkpoint format {v}; this code "
+                        f"reads {FORMAT_VERSION}); update this code (git pull); the checkpoint is intact")
+    unknown = sorted(set(meta) - META_KEYS)
+    if unknown:
+        raise UserError(f"{where} has metadata keys this code never writes ({', '.join(map(str, unknown[:5]))}): it "
+                        f"was written by other code or edited; its arrays are untouched: remove those keys from "
+                        f"meta/metadata, or use another --out_dir")
+
+
 def read_meta(out_dir: str | Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
     """The JSON metadata of the newest readable step, without touching arrays."""
     import json
@@ -272,6 +293,8 @@ def read_meta(out_dir: str | Path, step: int | None = None) -> tuple[int, dict[s
             meta = json.loads(path.read_text())
         except (OSError, ValueError):
             continue  # damaged: restore() reports it by step when it falls back past it
+        if isinstance(meta, dict):
+            check_meta(meta, out_dir, s)  # readable but not ours to read: incompatible, not damaged
         if isinstance(meta, dict) and meta.get("step") == s and isinstance(meta.get("config"), dict):
             return s, meta
     raise UserError(damaged_message(out_dir, steps) if steps else describe_missing(out_dir))

@@ -204,12 +204,9 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
     of the bytes, or the last `val_documents` (see gpt/corpus.py SplitRule).
     errors: "strict" (invalid UTF-8 is an error) or "replace" (bad bytes become U+FFFD).
     skip_bad_records: skip (and count) records that are not JSON or lack a string text field.
-    workers: parallel tokenizer workers (default: all cores); backend: "auto" | "process" |
-    "thread" (see `_make_executor`). shard_tokens: tokens per shard.
-    append: add the inputs (those not already in it) to the existing store in `out_dir`, as new
-    shards, with the store's tokenizer.
-    An interrupted prepare (killed, or out of disk) resumes from its last complete shard when
-    run again with the same inputs and settings.
+    workers: tokenizer processes (default: all cores); backend: "auto" | "process" | "thread"
+    (`_make_executor`). shard_tokens: tokens per shard. append: add the inputs not yet in the
+    store in `out_dir` as new shards, with its tokenizer. An interrupted prepare resumes.
     """
     out_dir = Path(out_dir)
     old = _store_to_append(out_dir, tokenizer) if append else None

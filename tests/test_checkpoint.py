@@ -74,3 +74,18 @@ def test_read_meta_skips_a_step_whose_meta_is_damaged(tmp_path):
     (ckpt.checkpoint_dir(tmp_path) / "2" / "meta" / "metadata").write_text("{torn")
     step, m = ckpt.read_meta(tmp_path)
     assert step == 1 and m == json.loads(json.dumps(meta(1)))
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"format_version": ckpt.FORMAT_VERSION + 1}, "newer version of this code"),
+    ({"payload": "x"}, r"metadata keys this code never writes \(payload\)"),
+])
+def test_intact_but_incompatible_metadata_is_not_called_damaged(tmp_path, edit, words):
+    """A readable checkpoint we cannot use (newer format, keys we never write) is named as such,
+    never as damaged, and the message never suggests deleting it."""
+    save_steps(tmp_path, {1: 2.0})
+    path = ckpt.checkpoint_dir(tmp_path) / "1" / "meta" / "metadata"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(UserError, match=words) as e:
+        ckpt.read_meta(tmp_path)
+    assert "damaged" not in str(e.value) and "--overwrite" not in str(e.value)

@@ -277,3 +277,20 @@ def test_document_aligned_rows_train_and_resume_exactly(tmp_path, capsys):
     run(tmp_path / "b", data_dir, *common, "--max_iters=3")
     second = run(tmp_path / "b", data_dir, *common, "--init_from=resume")
     assert dict(second["train_losses"]) == {k: v for k, v in full["train_losses"] if k > 3}
+
+
+def test_converted_checkpoint_is_not_resumed_for_training(tmp_path, char_data):
+    """A conversion has no training state: --init_from=resume on it says so (it is intact)."""
+    import shutil
+    from gpt import checkpoint as ckpt
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=2", "--eval_interval=2")
+    for s in ckpt.list_steps(out):
+        path = ckpt.checkpoint_dir(out) / str(s) / "meta" / "metadata"
+        meta = json.loads(path.read_text())
+        meta["config"]["train"], meta["source"] = {}, "/models/gpt2"
+        path.write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="converted from /models/gpt2, which has no training state") as e:
+        T.prepare_setup(*configs(out, char_data, "--init_from=resume"))
+    assert "--overwrite" not in str(e.value)
+    shutil.rmtree(out)
