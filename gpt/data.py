@@ -486,6 +486,12 @@ def _new_files(files: list[Path], old: dict, out_dir: Path) -> list[Path]:
     return new
 
 
+# What meta.json may hold (format versions 1 and 2).
+META_KEYS = frozenset({"format_version", "store", "tokenizer", "tokenizer_name", "vocab_size", "dtype", "splits",
+                       "shards", "shard_tokens", "val_fraction", "val_documents", "split_rule", "text_field",
+                       "skipped_records", "sources", "bytes_per_token"})
+
+
 def load_meta(data_dir: str | os.PathLike) -> dict:
     """Read and check a prepared data dir's meta.json: its format version, fields and types (it
     is a file a user may edit), and that every shard it names exists with the recorded size."""
@@ -506,6 +512,10 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
         raise UserError(f"{str(d)!r} was prepared with data format version {version!r}, this code reads "
                         f"versions {', '.join(map(str, store.READS))}; "
                         + ("update this code (git pull)" if newer else f"re-prepare it ({how})"))
+    unknown = sorted(set(meta) - META_KEYS)
+    if unknown:
+        raise UserError(f"{str(path)!r} has keys this code never writes ({', '.join(unknown[:5])}): it was "
+                        f"written by other code or edited; remove them or re-prepare it ({how})")
     try:
         counts = [meta["vocab_size"]] + [meta["splits"][s][k] for s in SPLITS for k in ("tokens", "bytes")]
         if meta["dtype"] not in ("uint16", "uint32") or not isinstance(meta["tokenizer"], dict) \

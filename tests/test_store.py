@@ -93,6 +93,9 @@ def test_meta_json_cannot_point_outside_the_store(tmp_path):
     (out / "meta.json").write_text(json.dumps({**meta, "format_version": 3}))
     with pytest.raises(UserError, match="update this code"):
         load_meta(out)
+    (out / "meta.json").write_text(json.dumps({**meta, "exec": "rm -rf /"}))
+    with pytest.raises(UserError, match=r"keys this code never writes \(exec\)"):
+        load_meta(out)
 
 
 def test_version_1_data_dir_still_loads_with_the_same_batches(tmp_path):
