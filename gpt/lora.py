@@ -94,15 +94,37 @@ def add_adapters(block: nnx.Module, lora: LoRAConfig, rngs: nnx.Rngs) -> None:
         nc, fused = layout(weight, w.ndim)
         axes = tuple(w.get_metadata()["out_sharding"])
         slots = w.shape[nc:nc + 1] if fused else ()
-        init_a = jax.nn.initializers.he_uniform(in_axis=tuple(range(nc)), out_axis=-1,
-                                                batch_axis=(nc,) if fused else ())
-        a = init_a(rngs.params(), (*w.shape[:nc], *slots, lora.rank), jnp.float32)
+        a = init_a(rngs.params(), (*w.shape[:nc], *slots, lora.rank), nc, fused)
         b = jnp.zeros((*slots, lora.rank, *w.shape[nc + fused:]), jnp.float32)
         name_a, name_b = adapter_names(weight)
         setattr(block, name_a, nnx.LoRAParam(a, sharding_names=axes[:nc] + (None,) * (1 + fused),
                                              eager_sharding=False))
         setattr(block, name_b, nnx.LoRAParam(b, sharding_names=(None,) * (1 + fused) + axes[nc + fused:],
                                              eager_sharding=False))
+
+
+def init_a(key: jax.Array, shape: tuple[int, ...], nc: int, fused: bool) -> jax.Array:
+    """A's initial values: He uniform over its `nc` input axes (nnx.LoRA's default), each slot
+    of a fused projection drawn as a matrix of its own."""
+    init = jax.nn.initializers.he_uniform(in_axis=tuple(range(nc)), out_axis=-1,
+                                          batch_axis=(nc,) if fused else ())
+    return init(key, shape, jnp.float32)
+
+
+def init_adapters(cfg: ModelConfig, lora: LoRAConfig, seed: int) -> dict[str, Any]:
+    """Fresh stacked adapters as host arrays, drawn as `init_a` draws them (A He uniform, B zero)
+    but with numpy: compiling random initialisers costs seconds on a CPU, drawing them here
+    nothing (and every process draws the same values)."""
+    shapes = abstract_adapters(cfg, lora)["blocks"]
+    blocks = {}
+    for i, weight in enumerate(lora.targets):
+        name_a, name_b = adapter_names(weight)
+        a_shape = shapes[name_a].shape
+        bound = math.sqrt(6.0 / math.prod(a_shape[1:1 + layout(weight, 0)[0]]))  # fan in
+        rng = np.random.default_rng([seed, i])
+        blocks[name_a] = rng.uniform(-bound, bound, a_shape).astype(np.float32)
+        blocks[name_b] = np.zeros(shapes[name_b].shape, np.float32)
+    return {"blocks": blocks}
 
 
 def update(x: jax.Array, a: jax.Array, b: jax.Array, spec: str, lora: LoRAConfig, mm,

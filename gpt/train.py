@@ -396,12 +396,13 @@ def init_state(s: Setup, model_shape: GPT, tx, mesh) -> tuple[State, dict[str, A
     m, t = s.model_cfg, s.train_cfg
     trainable, frozen = lora_lib.split_state(model_shape, s.lora)
     p_shard, f_shard = (sharding.param_shardings(x, mesh) for x in (trainable, frozen))
-    init_fn = jax.jit(lambda: nnx.to_pure_dict(lora_lib.split_state(
-        GPT(m, rngs=nnx.Rngs(t.seed), runtime=model_shape.rt, lora=s.lora), s.lora)[0]),
-        out_shardings=p_shard)
     if s.lora is not None:
-        params, frozen_params = init_fn(), jax.device_put(s.init_params, f_shard)
+        params = jax.device_put(lora_lib.init_adapters(m, s.lora, t.seed), p_shard)
+        frozen_params = jax.device_put(s.init_params, f_shard)
     else:
+        init_fn = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed),
+                                                                 runtime=model_shape.rt))),
+                          out_shardings=p_shard)
         params = init_fn() if s.init_params is None else jax.device_put(s.init_params, p_shard)
         frozen_params = {}
     o_shard = sharding.like_params(jax.eval_shape(tx.init, params), p_shard, mesh)
