@@ -279,11 +279,11 @@ def read_base(src: str | Path, step: int | None = None) -> Base:
         cfg, params = load_hf(src)
         return Base(cfg, params, {"kind": "hf", "path": str(src), "step": None,
                                   "sha256": params_sha256(params)}, None)
-    step, meta = ckpt.read_meta(src, step)
+    _, meta = ckpt.read_meta(src, step)
     if "lora" in meta:
         raise UserError(f"{src} is a LoRA run; fine-tune its merged weights: python -m gpt.convert "
                         f"--merge_lora --out_dir={src} --merged_dir=NEW_DIR, then --init_from=NEW_DIR")
-    step, cfg, params, meta = restore_params(src, step)
+    step, cfg, params, meta = restore_params(src, step)  # None: the newest step that restores
     return Base(cfg, params, {"kind": "checkpoint", "path": str(src), "step": step,
                               "sha256": params_sha256(params)}, meta.get("tokenizer"))
 
@@ -330,15 +330,16 @@ def _describe(spec: dict[str, Any]) -> str:
 
 def restore_params(out_dir: str | Path, step: int | None = None
                    ) -> tuple[int, ModelConfig, dict[str, Any], dict[str, Any]]:
-    """(step, architecture, parameters, meta) of a training output's newest complete step (or
-    `step`); a LoRA run's adapters come merged into its base, which must be unchanged."""
+    """(step, architecture, parameters, meta) of a training output's newest complete step (falling
+    back past damaged ones, as `Checkpointer.restore` does) or of `step`; a LoRA run's adapters come
+    merged into its base, which must be unchanged."""
     from gpt import checkpoint as ckpt
     from gpt.model import abstract_params
-    step, meta = ckpt.read_meta(out_dir, step)
+    newest, meta = ckpt.read_meta(out_dir, step)  # the config, the same in every step
     try:
         cfg = model_from_dict(meta["config"]["model"])
     except (KeyError, TypeError) as e:
-        raise UserError(f"the checkpoint in {out_dir} (step {step}) has no model config ({e}); "
+        raise UserError(f"the checkpoint in {out_dir} (step {newest}) has no model config ({e}); "
                         f"it is damaged") from None
     reader = ckpt.Checkpointer(out_dir, read_only=True)
     if not isinstance(meta.get("lora"), dict):

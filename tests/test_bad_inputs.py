@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import REPO
@@ -92,7 +93,31 @@ def w(tmp_path_factory, char_data):
     (root / "fake.parquet").write_text("text,label\nhello,1\n")  # a CSV named .parquet
     raw = gzip.compress(b"First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50)
     (root / "cut.txt.gz").write_bytes(raw[:len(raw) // 2])  # a truncated download
+    _lora_runs(root, good, char_data, run_inproc)
     return dict(root=root, data=char_data, good=good, bad=bad, old_data=root / "old_data")
+
+
+def _lora_runs(root: Path, good: Path, char_data: Path, run_inproc) -> None:
+    """A LoRA run of `good`, and copies of it whose base is gone or has changed since."""
+    from gpt import lora
+    run_inproc(root / "lora", char_data, f"--init_from={good}", "--lora_rank=4", "--max_iters=2",
+               "--eval_interval=2")
+    changed = root / "changed_base"  # good's weights at the same step, one of them perturbed
+    step, meta = ckpt.read_meta(good)
+    params = lora.read_base(good).params
+    params["lnf_scale"] = params["lnf_scale"] + 1.0
+    c = ckpt.Checkpointer(changed, keep=1, async_save=False)
+    c.save(step, params, {"none": np.zeros((), np.int32)}, meta, None)
+    c.close()
+    for name, base in (("lora_gone", root / "gone_base"), ("lora_changed", changed)):
+        shutil.copytree(root / "lora", root / name)
+        for s in ckpt.list_steps(root / name):
+            path = ckpt.checkpoint_dir(root / name) / str(s) / "meta" / "metadata"
+            meta = json.loads(path.read_text())
+            meta["lora"]["base"]["path"] = str(base)
+            path.write_text(json.dumps(meta))
+    (root / "nonempty").mkdir()
+    (root / "nonempty" / "notes.txt").write_text("mine")
 
 
 def _parquet_bytes(columns: dict) -> bytes:
@@ -153,6 +178,27 @@ def cases(w) -> list[Case]:
              "every checkpoint", bad),
         Case("train init_from missing dir", T + [f"--out_dir={new}", f"--init_from={root / 'nowhere'}"],
              "no checkpoint found", new),
+        # train.py: LoRA
+        Case("train lora without init_from", T + [f"--out_dir={new}", "--lora_rank=8"], "pass --init_from=DIR",
+             new),
+        Case("train lora rank zero", T + [f"--out_dir={new}", f"--init_from={good}", "--lora_rank=0"],
+             "--lora_rank=0 must be positive", new),
+        Case("train lora rank negative", T + [f"--out_dir={new}", f"--init_from={good}", "--lora_rank=-2"],
+             "--lora_rank=-2", new),
+        Case("train lora rank above matrix", T + [f"--out_dir={new}", f"--init_from={good}", "--lora_rank=1000"],
+             "larger than the matrix", new),
+        Case("train lora unknown target", T + [f"--out_dir={new}", f"--init_from={good}", "--lora_rank=8",
+                                               "--lora_targets=attn,q_proj"], "unknown target 'q_proj'", new),
+        Case("train lora target not in model", T + [f"--out_dir={new}", f"--init_from={good}", "--lora_rank=8",
+                                                    "--lora_targets=w_q"], "this model has no w_q", new),
+        Case("train lora alpha zero", T + [f"--out_dir={new}", f"--init_from={good}", "--lora_rank=8",
+                                           "--lora_alpha=0"], "--lora_alpha=0", new),
+        Case("train lora of a lora run", T + [f"--out_dir={new}", f"--init_from={root / 'lora'}",
+                                              "--lora_rank=8"], "is a LoRA run", new),
+        Case("train lora resume base gone", T + [f"--out_dir={root / 'lora_gone'}", "--init_from=resume"],
+             "is gone", root / "lora_gone"),
+        Case("train lora resume base changed", T + [f"--out_dir={root / 'lora_changed'}", "--init_from=resume"],
+             "has changed", root / "lora_changed"),
         # sample.py
         Case("sample no checkpoint", [PY, "sample.py", f"--out_dir={root / 'empty'}"], "no checkpoint found",
              root / "empty"),
@@ -169,6 +215,10 @@ def cases(w) -> list[Case]:
         Case("sample negative tokens", S + ["--max_new_tokens=-1"], "--max_new_tokens=-1", good),
         Case("sample missing prompt file", S + [f"--prompt_file={root / 'nope.txt'}"], "--prompt_file", good),
         Case("sample unknown flag", S + ["--temprature=1"], "did you mean --temperature", good),
+        Case("sample lora base gone", [PY, "sample.py", f"--out_dir={root / 'lora_gone'}"], "is gone",
+             root / "lora_gone"),
+        Case("sample lora base changed", [PY, "sample.py", f"--out_dir={root / 'lora_changed'}"],
+             "has changed", root / "lora_changed"),
         # python -m gpt.data
         Case("data missing path", D + ["--input", str(root / "nope.txt"), "--tokenizer=char",
                                        f"--out_dir={new}"], "does not exist", new),
@@ -210,6 +260,15 @@ def cases(w) -> list[Case]:
         Case("convert pickle only", C + ["--from_hf", str(root / "hf_bin"), f"--out_dir={new}"],
              "pytorch_model.bin", new),
         Case("convert to_hf no dir", C + ["--to_hf", f"--out_dir={good}"], "--hf_dir", good),
+        Case("convert merge into non-empty", C + ["--merge_lora", f"--out_dir={root / 'lora'}",
+                                                  f"--merged_dir={root / 'nonempty'}"], "is not empty",
+             root / "nonempty"),
+        Case("convert merge not lora", C + ["--merge_lora", f"--out_dir={good}", f"--merged_dir={new}"],
+             "not a LoRA run", new),
+        Case("convert merge base gone", C + ["--merge_lora", f"--out_dir={root / 'lora_gone'}",
+                                             f"--merged_dir={new}"], "is gone", new),
+        Case("convert to_hf lora base changed", C + ["--to_hf", f"--out_dir={root / 'lora_changed'}",
+                                                     f"--hf_dir={new}"], "has changed", new),
         # python -m gpt.evaluate
         Case("evaluate missing file", E + [f"--out_dir={good}", "--input", str(root / "nope.txt")],
              "does not exist", good),
@@ -238,7 +297,9 @@ FAST = {"train unknown flag", "train negative lr", "train heads", "train block t
         "train model too big for memory", "sample all damaged", "sample tokenizer larger than model",
         "sample prompt outside vocab", "sample top_p above 1",
         "data not utf-8", "data empty corpus", "data jsonl not json", "data parquet no column",
-        "convert pickle only", "convert not gpt2", "evaluate no checkpoint"}
+        "convert pickle only", "convert not gpt2", "evaluate no checkpoint",
+        "train lora without init_from", "train lora rank above matrix", "sample lora base changed",
+        "convert merge into non-empty"}
 
 
 def check(case: Case) -> str | None:
