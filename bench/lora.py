@@ -105,8 +105,8 @@ def main(argv: list[str]) -> int:
         train_run([*common, f"--out_dir={base}", f"--input={out / 'data' / 'old.txt'}",
                    f"--max_iters={a.base_iters}"])
     tune = [*common, f"--init_from={base}", f"--input={out / 'data' / 'new.txt'}", f"--max_iters={a.iters}",
-            f"--lr_decay_iters={a.iters}", f"--eval_interval={a.iters}", f"--warmup_iters={max(a.iters // 20, 1)}",
-            "--overwrite"]
+            f"--lr_decay_iters={a.iters}", f"--eval_interval={a.iters}",
+            f"--warmup_iters={max(a.iters // 20, 1)}", "--overwrite"]
     variants = {"lora": [f"--lora_rank={a.rank}", f"--lora_alpha={a.alpha}", f"--lora_targets={a.targets}",
                          f"--learning_rate={a.lora_lr}", f"--min_lr={a.lora_lr / 10}"],
                 "full": [f"--learning_rate={a.full_lr}", f"--min_lr={a.full_lr / 10}"]}
@@ -115,15 +115,17 @@ def main(argv: list[str]) -> int:
         summary = train_run([*tune, *flags, f"--out_dir={out / name}"])
         _, meta = ckpt.read_meta(out / name)
         t, m = meta["config"]["train"], meta["config"]["model"]
-        results[name] = {"val_loss": summary["val_loss"], "whole_val_loss": whole_val_loss(out / name, val_text),
-                         "trainable_params": summary["trainable_params"], "state_bytes": summary["state_bytes"],
-                         "step_ms": step_ms(out / name, t["batch_size"] * t["gradient_accumulation_steps"]
-                                            * m["block_size"]), "flags": flags}
+        tokens_per_step = t["batch_size"] * t["gradient_accumulation_steps"] * m["block_size"]
+        results[name] = {"val_loss": summary["val_loss"],
+                         "whole_val_loss": whole_val_loss(out / name, val_text),
+                         "trainable_params": summary["trainable_params"],
+                         "state_bytes": summary["state_bytes"],
+                         "step_ms": step_ms(out / name, tokens_per_step), "flags": flags}
     for name, r in results.items():
         cells = [f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k != "flags"]
         print(f"{name}: {', '.join(cells)}", file=sys.stderr)
-    print(json.dumps({"results": results, "dropped_lines": dropped, "iters": a.iters, "base_iters": a.base_iters,
-                      "rank": a.rank, "alpha": a.alpha, "common_flags": common}))
+    print(json.dumps({"results": results, "dropped_lines": dropped, "iters": a.iters,
+                      "base_iters": a.base_iters, "rank": a.rank, "alpha": a.alpha, "common_flags": common}))
     return 0
 
 

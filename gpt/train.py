@@ -604,9 +604,9 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
     run, state = build_run(s, mesh, out, log)
     tokens_per_step = t.gradient_accumulation_steps * t.batch_size * s.model_cfg.block_size
     ckpt_interval = t.ckpt_interval or t.eval_interval
-    summary: dict[str, Any] = {"start_step": state.step, "train_losses": [],
-                               "trainable_params": lora_lib.count(state.params),
-                               "state_bytes": sharding.state_bytes((state.params, state.opt_state, state.frozen))[0]}
+    state_b = sharding.state_bytes((state.params, state.opt_state, state.frozen))[0]
+    summary: dict[str, Any] = {"start_step": state.step, "train_losses": [], "state_bytes": state_b,
+                               "trainable_params": lora_lib.count(state.params)}
     stop, prog = StopFlag(), Progress(t, state.step, log)
     x, y = next_batch(run)
     try:

@@ -60,8 +60,8 @@ def test_gpu_suite_runs_at_tiny_size(tmp_path):
 @pytest.mark.slow
 def test_bench_lora_smoke(tmp_path):
     """bench/lora.py end to end at a tiny size: base, LoRA and full fine-tuning, all figures there."""
-    out = _run("lora.py", f"--out={tmp_path}", "--preset=tiny", "--base_iters=4", "--iters=4", "--eval_iters=1",
-               "--rank=2")
+    out = _run("lora.py", f"--out={tmp_path}", "--preset=tiny", "--base_iters=4", "--iters=4",
+               "--eval_iters=1", "--rank=2")
     res = out["results"]
     assert res["base"]["whole_val_loss"] > 0
     for name in ("lora", "full"):

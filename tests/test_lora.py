@@ -49,8 +49,8 @@ def save_base(out, cfg, tokenizer: dict, seed: int = 0, step: int = 0, params=No
     """A model of `cfg` (random, or `params`) saved as a checkpoint, as gpt.convert --from_hf does."""
     if params is None:
         params = nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))))
-    meta = {"format_version": ckpt.FORMAT_VERSION, "step": step, "config": {"model": to_dict(cfg), "train": {}},
-            "tokenizer": tokenizer}
+    meta = {"format_version": ckpt.FORMAT_VERSION, "step": step, "tokenizer": tokenizer,
+            "config": {"model": to_dict(cfg), "train": {}}}
     c = ckpt.Checkpointer(out, keep=1, async_save=False)
     c.save(step, params, {"none": np.zeros((), np.int32)}, meta, None)
     c.close()
@@ -161,12 +161,14 @@ def test_settings_are_resolved_against_the_model():
     assert L.resolve(t(), gpt2) is None
     with pytest.raises(UserError, match="this model has no w_q .*w_qkv, w_o"):
         L.resolve(t("--lora_rank=8", "--lora_targets=w_q"), gpt2)
-    with pytest.raises(UserError, match=r"--lora_rank=20 is larger than the matrix it adapts \(w_kv: 32 x 16\)"):
+    with pytest.raises(UserError, match=r"--lora_rank=20 is larger than the matrix .* \(w_kv: 32 x 16\)"):
         L.resolve(t("--lora_rank=20"), llama)
-    for argv, words in [(["--lora_rank=4"], "pass --init_from=DIR"), (["--lora_rank=0", "--init_from=x"], "positive"),
+    for argv, words in [(["--lora_rank=4"], "pass --init_from=DIR"),
+                        (["--lora_rank=0", "--init_from=x"], "positive"),
                         (["--lora_rank=-1", "--init_from=x"], "--lora_rank=-1"),
                         (["--lora_rank=4", "--init_from=x", "--lora_alpha=0"], "--lora_alpha=0"),
-                        (["--lora_rank=4", "--init_from=x", "--lora_targets=attn,q_proj"], "unknown target 'q_proj'"),
+                        (["--lora_rank=4", "--init_from=x", "--lora_targets=attn,q_proj"],
+                         "unknown target 'q_proj'"),
                         (["--lora_rank=4", "--init_from=x", "--lora_dropout=1"], "--lora_dropout=1"),
                         (["--init_from=x", "--lora_alpha=4"], "--lora_alpha needs --lora_rank")]:
         with pytest.raises(UserError, match=words):
@@ -218,7 +220,8 @@ def test_resume_is_exact_and_checkpoints_hold_adapters(tmp_path, char_data, base
     assert dict(first["train_losses"]) | dict(second["train_losses"]) == dict(full["train_losses"])
     assert second["val_loss"] == full["val_loss"]
     on_disk = ocp.StandardCheckpointer().metadata(ckpt.checkpoint_dir(tmp_path / "b") / "6" / "params")
-    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(on_disk.item_metadata)[0]]
+    names = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(on_disk.item_metadata)[0]]
     assert names and all("lora_" in n for n in names)
     _, meta = ckpt.read_meta(tmp_path / "b")
     assert meta["lora"]["base"]["path"] == str((bases / "gpt2").absolute()) and meta["lora"]["rank"] == 4
@@ -292,9 +295,11 @@ def test_base_gone_changed_or_a_lora_run(tmp_path, char_data, bases, lora_runs):
     params["lnf_scale"] = params["lnf_scale"] + 1.0
     shutil.rmtree(ckpt.checkpoint_dir(base))
     _, meta = ckpt.read_meta(bases / "gpt2")
-    save_base(base, arch_config("gpt2", meta["config"]["model"]["vocab_size"]), meta["tokenizer"], params=params)
+    cfg = arch_config("gpt2", meta["config"]["model"]["vocab_size"])
+    save_base(base, cfg, meta["tokenizer"], params=params)
     for load in (lambda: load_model(out), lambda: run(out, char_data, "--init_from=resume", "--max_iters=3")):
-        with pytest.raises(UserError, match=r"base model of the LoRA run in .*lora, .*base \(step 0\), has changed"):
+        with pytest.raises(UserError, match=r"base model of the LoRA run in .*lora, .*base \(step 0\), "
+                                            r"has changed"):
             load()
     shutil.rmtree(base)
     with pytest.raises(UserError, match=r"base \(step 0\), is gone"):
@@ -313,41 +318,36 @@ def test_data_must_use_the_bases_tokenizer(tmp_path, bases):
 
 # ----------------------------------------------------------------------------- meshes
 
-_MESH_SCRIPT = """
-import json, sys
-from gpt import lora as L, sharding, train as T
-from gpt.config import build_train
-from gpt.model import abstract_model
-import jax
-from flax import nnx
-data, base, out, mesh = sys.argv[1:5]
-argv = ["--preset=tiny", f"--out_dir={out}", f"--data_dir={data}", f"--init_from={base}", "--lora_rank=4",
-        "--lora_alpha=8", "--lora_dropout=0.1", "--max_iters=4", "--eval_interval=4", "--log_interval=1",
-        "--no_progress", f"--mesh={mesh}", "--seed=0"]
-s = T.prepare_setup(*build_train(argv))
-summary = T.train(s, log=lambda m: None)
-shards = sharding.param_shardings(L.split_state(abstract_model(s.model_cfg, lora=s.lora), s.lora)[0],
-                                  sharding.make_mesh(mesh))
-specs = {k: [list(a) if isinstance(a, tuple) else a for a in v.spec] for k, v in shards["blocks"].items()}
-print(json.dumps({"losses": summary["train_losses"], "val": summary["val_loss"], "devices": jax.device_count(),
-                  "specs": specs}))
-"""
+def mesh_train(data, base, out, mesh: str) -> dict:
+    """A 4-step LoRA run (adapter dropout on) of the modern block on `mesh`: losses, val loss and
+    the adapters' partition specs. Runs here (one device) and in an 8-device subprocess."""
+    from gpt.model import abstract_model
+    argv = ["--preset=tiny", f"--out_dir={out}", f"--data_dir={data}", f"--init_from={base}", *LORA,
+            "--lora_dropout=0.1", "--max_iters=4", "--eval_interval=4", "--log_interval=1", "--no_progress",
+            f"--mesh={mesh}", "--seed=0"]
+    s = T.prepare_setup(*build_train(argv))
+    summary = T.train(s, log=lambda msg: None)
+    state = L.split_state(abstract_model(s.model_cfg, lora=s.lora), s.lora)[0]
+    specs = {k: [list(a) if isinstance(a, tuple) else a for a in v.spec]
+             for k, v in sharding.param_shardings(state, sharding.make_mesh(mesh))["blocks"].items()}
+    return {"losses": summary["train_losses"], "val": summary["val_loss"], "devices": jax.device_count(),
+            "specs": specs}
 
 
-def _mesh_run(data, base, out, mesh: str, devices: int) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(data), str(base), str(out), mesh], cwd=REPO,
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+_MESH_SCRIPT = "import json, sys; sys.path[:0] = ['tests']; import test_lora; " \
+               "print(json.dumps(test_lora.mesh_train(*sys.argv[1:5])))"
 
 
 def test_sharded_matches_one_device(tmp_path, char_data, bases):
     """LoRA on the modern block over data x fsdp x tensor (8 CPU devices) == one device, to 1e-5;
     the adapters are sharded like their weights (B of w_q over heads, A of w_proj over the MLP width)."""
-    one = _mesh_run(char_data, bases / "llama", tmp_path / "one", "", 1)
-    eight = _mesh_run(char_data, bases / "llama", tmp_path / "eight", "data:2,fsdp:2,tensor:2", 8)
+    one = mesh_train(char_data, bases / "llama", tmp_path / "one", "")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(char_data), str(bases / "llama"),
+                        str(tmp_path / "eight"), "data:2,fsdp:2,tensor:2"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    eight = json.loads(r.stdout.strip().splitlines()[-1])
     assert one["devices"] == 1 and eight["devices"] == 8
     for (s1, a), (s8, b) in zip(one["losses"], eight["losses"]):
         assert s1 == s8 and abs(a - b) <= 1e-5 * abs(a)
