@@ -533,6 +533,9 @@ def main(argv: Sequence[str]) -> int:
     if a.merged_dir and not a.merge_lora:
         raise UserError("--merged_dir is only used with --merge_lora")
     if a.merge_lora:
+        if a.hf_dir or a.overwrite:
+            raise UserError("--merge_lora writes only --merged_dir, a new or empty directory (no --hf_dir, "
+                            "no --overwrite)")
         if not a.merged_dir:
             raise UserError("--merge_lora needs --merged_dir DIR (a new or empty directory for the merged "
                             "checkpoint)")
