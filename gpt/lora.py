@@ -190,7 +190,7 @@ def count(tree: Any) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
-def flops_per_token(cfg: ModelConfig, lora: LoRAConfig, n_adapter: int, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, n_adapter: int, seq_len: int) -> float:
     """Training FLOPs per token of a LoRA step: the frozen weights skip their gradient matmul
     (2N of the usual 6N), the adapters (n_adapter parameters) pay the full 6 per parameter."""
     from gpt.model import flops_per_token as full, num_params

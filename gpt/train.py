@@ -450,7 +450,7 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
                                process_index=layout[0], process_count=layout[1])
     batches.restore({"seed": t.seed, "index": state.step})
     flops = flops_per_token(m, m.block_size) if s.lora is None else \
-        lora_lib.flops_per_token(m, s.lora, lora_lib.count(state.params), m.block_size)
+        lora_lib.flops_per_token(m, lora_lib.count(state.params), m.block_size)
     through = metrics_lib.Throughput(flops,
                                      metrics_lib.measure_matmul_tflops(rt.dtype),
                                      metrics_lib.vendor_peak_tflops(rt.dtype.name), mesh.size)
