@@ -361,20 +361,20 @@ def settle_aside(out_dir: str | Path, aside: Path | None) -> None:
 
 
 def load_model(out_dir: str | Path, dtype: str = "auto", step: int | None = None):
-    """(model, checkpoint meta, tokenizer) from the newest complete checkpoint of `out_dir`."""
+    """(model, checkpoint meta, tokenizer) from the newest complete checkpoint of `out_dir`; a LoRA
+    run's adapters are merged into its base once, here (`gpt.lora.restore_params`)."""
     from flax import nnx
 
-    from gpt.config import ComputeConfig, model_from_dict
-    from gpt.model import abstract_model, abstract_params
+    from gpt.config import ComputeConfig
+    from gpt.lora import restore_params
+    from gpt.model import abstract_model
     from gpt.runtime import resolve
     from gpt.tokenizer import load_tokenizer
 
     if not list_steps(out_dir):
         raise UserError(describe_missing(out_dir))
-    _, meta = read_meta(out_dir, step)
-    cfg = model_from_dict(meta["config"]["model"])
+    s, cfg, params, meta = restore_params(out_dir, step)
     graphdef = nnx.graphdef(abstract_model(cfg, runtime=resolve(cfg, ComputeConfig(dtype=dtype))))
-    s, params, _, meta = Checkpointer(out_dir, read_only=True).restore(abstract_params(cfg), step=step)
     if "tokenizer" not in meta:
         raise UserError(f"the checkpoint in {out_dir} records no tokenizer; re-create it with "
                         f"python -m gpt.convert or python train.py")

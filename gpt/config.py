@@ -87,6 +87,11 @@ class TrainConfig:
     align_documents: bool = False  # each training row starts at a document start (packed best-fit)
     init_from: str = "scratch"  # scratch | resume | gpt2 | <checkpoint dir>
     overwrite: bool = False
+    # LoRA fine-tuning of the --init_from model (gpt/lora.py): only the adapters train; rank 0: off
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
+    lora_targets: list[str] = field(default_factory=lambda: ["attn", "mlp"], metadata={"sep": ","})
+    lora_dropout: float = 0.0  # dropout on the adapters' inputs
     seed: int = 1337
     # optimisation
     batch_size: int = 12
@@ -183,6 +188,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                  batch_size=4, max_iters=20, lr_decay_iters=20, warmup_iters=2, eval_interval=10,
                  eval_iters=2, log_interval=5),
 }
+
+# --lora_targets: the groups, or the block weights by name (gpt/lora.py checks them against the model).
+LORA_GROUPS = {"attn": ("w_qkv", "w_q", "w_kv", "w_o"), "mlp": ("w_fc", "w_proj")}
+LORA_TARGETS = (*LORA_GROUPS, *(w for ws in LORA_GROUPS.values() for w in ws))
 
 _CHOICES = {
     "pos_embedding": ("learned", "sinusoidal", "rope", "none"),
@@ -416,6 +425,7 @@ def validate_train(t: TrainConfig) -> TrainConfig:
     if not t.out_dir:
         raise UserError("--out_dir must not be empty")
     _check_seed(t.seed)
+    _validate_lora(t)
     return t
 
 
@@ -429,6 +439,30 @@ def _check_seed(seed: int) -> None:
 
 MAX_NEW_TOKENS = 1_000_000  # per sample, per call: already hours of decoding
 MAX_SAMPLES = 65_536  # rows of one batch
+
+
+def _validate_lora(t: TrainConfig) -> None:
+    _check_positive(t, "lora_rank", allow_zero=True)
+    _check_positive(t, "lora_alpha")
+    if not 0.0 <= t.lora_dropout < 1.0:
+        raise UserError(f"--lora_dropout={t.lora_dropout} must be in [0, 1)")
+    unknown = [n for n in t.lora_targets if n not in LORA_TARGETS]
+    if unknown or not t.lora_targets:
+        what = f"unknown target {unknown[0]!r}" if unknown else "no targets"
+        raise UserError(f"--lora_targets: {what} (choose from {', '.join(LORA_TARGETS)}, comma-separated)")
+    if t.lora_rank and t.init_from == "scratch":
+        raise UserError("--lora_rank fine-tunes a trained model: pass --init_from=DIR (a training output "
+                        "or a converted Hugging Face checkpoint) or --init_from=gpt2")
+
+
+def check_lora_flags(t: TrainConfig, explicit: set[str]) -> None:
+    """What validation of the values alone cannot see: an explicit --lora_rank=0, and LoRA settings
+    without a rank (a resumed run takes its rank from the checkpoint)."""
+    if "lora_rank" in explicit and t.lora_rank <= 0:
+        raise UserError(f"--lora_rank={t.lora_rank} must be positive (leave it out to train all weights)")
+    given = sorted(k for k in ("lora_alpha", "lora_targets", "lora_dropout") if k in explicit)
+    if given and not t.lora_rank and t.init_from != "resume":
+        raise UserError(f"--{given[0]} needs --lora_rank=N (LoRA fine-tuning)")
 
 
 def validate_sample(s: SampleConfig) -> SampleConfig:
@@ -463,7 +497,9 @@ def build_train(argv: Sequence[str], default_preset: str | None = "default"
                 ) -> tuple[ModelConfig, ComputeConfig, TrainConfig, set[str]]:
     """train.py's settings, validated: architecture, how it is computed, and the run."""
     (m, c, t), explicit = build(TRAIN_CLASSES, argv, default_preset)
-    return validate_model(m), validate_compute(c), validate_train(t), explicit
+    m, c, t = validate_model(m), validate_compute(c), validate_train(t)
+    check_lora_flags(t, explicit)
+    return m, c, t, explicit
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -2,6 +2,10 @@
 
     python -m gpt.convert --from_hf HF_DIR --out_dir OUT [--overwrite]
     python -m gpt.convert --to_hf --out_dir OUT --hf_dir HF_DIR [--overwrite]
+    python -m gpt.convert --merge_lora --out_dir LORA_OUT --merged_dir NEW_DIR
+
+--to_hf of a LoRA run writes its adapters merged into the base; --merge_lora writes them merged
+as a plain checkpoint of ours (gpt/lora.py).
 
 A Hugging Face directory is `config.json` + `model.safetensors` (or sharded safetensors with
 `model.safetensors.index.json`); the architecture comes from config.json's model_type: gpt2
@@ -470,8 +474,10 @@ def _hf_dir_tokenizer(hf_dir: Path, cfg) -> tuple[dict, bytes | None] | None:
 
 
 def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool = False) -> str:
+    """Export the newest step of `out_dir` (a LoRA run's adapters merged into its base)."""
     from gpt import checkpoint as ckpt
     from gpt.config import compute_from_dict, model_from_dict
+    from gpt.lora import restore_params
 
     step, meta = ckpt.read_meta(out_dir)
     try:
@@ -485,9 +491,7 @@ def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool
         llama.check_compatible(cfg)
     else:
         check_gpt2_compatible(cfg)
-    from gpt.model import abstract_params
-    reader = ckpt.Checkpointer(out_dir, read_only=True)
-    step, params, _, meta = reader.restore(abstract_params(cfg), step=step)
+    step, _, params, meta = restore_params(out_dir, step)
     tok = meta.get("tokenizer")
     eot = tok.get("eot_id") if isinstance(tok, dict) and "eot_id" in tok else _UNSET
     source = meta.get("hf_model_type") if isinstance(meta.get("hf_model_type"), str) else None
@@ -519,11 +523,25 @@ def main(argv: Sequence[str]) -> int:
                       help="import a Hugging Face dir (config.json + safetensors [+ tokenizer.json]) of "
                            "GPT-2, Llama, Mistral, Qwen2 or Qwen3")
     mode.add_argument("--to_hf", action="store_true", help="export --out_dir's newest checkpoint to --hf_dir")
+    mode.add_argument("--merge_lora", action="store_true",
+                      help="write a LoRA run's (--out_dir) adapters merged into its base to --merged_dir")
     p.add_argument("--out_dir", required=True, help="our checkpoint directory")
     p.add_argument("--hf_dir", help="with --to_hf: the Hugging Face directory to write")
+    p.add_argument("--merged_dir", help="with --merge_lora: the new checkpoint directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace existing checkpoints / --hf_dir")
     a = p.parse_args(list(argv))
-    if a.to_hf:
+    if a.merged_dir and not a.merge_lora:
+        raise UserError("--merged_dir is only used with --merge_lora")
+    if a.merge_lora:
+        if a.hf_dir or a.overwrite:
+            raise UserError("--merge_lora writes only --merged_dir, a new or empty directory (no --hf_dir, "
+                            "no --overwrite)")
+        if not a.merged_dir:
+            raise UserError("--merge_lora needs --merged_dir DIR (a new or empty directory for the merged "
+                            "checkpoint)")
+        from gpt.lora import write_merged
+        print(write_merged(a.out_dir, a.merged_dir))
+    elif a.to_hf:
         if not a.hf_dir:
             raise UserError("--to_hf needs --hf_dir DIR (where to write config.json, model.safetensors "
                             "and any tokenizer.json)")

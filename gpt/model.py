@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gpt import lora as lora_lib
 from gpt import runtime as runtime_lib
 from gpt.config import ModelConfig
 from gpt.ops.attention import attention
@@ -186,10 +187,11 @@ class Block(nnx.Module):
 
     Multi-head attention (n_kv_head == n_head, GPT-2 included) keeps q, k and v in one fused
     projection w_qkv; grouped-query attention has w_q and a smaller w_kv. The gated (SwiGLU) MLP
-    fuses gate and up projections in w_fc [D, 2, F].
+    fuses gate and up projections in w_fc [D, 2, F]. With `lora`, the targeted weights also get
+    LoRA adapters (gpt/lora.py), applied in `linear`.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None):
         D, H, G, K, F = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.ffn
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
         bias = lambda on, shape, axes: _param(jnp.zeros(shape), axes) if on else None
@@ -217,15 +219,28 @@ class Block(nnx.Module):
             self.b_fc = bias(cfg.bias, (F,), ("mlp",))
         self.w_proj = _normal(rngs.params(), (F, D), proj_std, ("mlp", "embed"))
         self.b_proj = bias(cfg.bias, (D,), ("embed",))
+        self.lora = lora
+        if lora is not None:  # drawn after the base weights, which stay those of the plain model
+            lora_lib.add_adapters(self, lora, rngs)
 
-    def qkv(self, h_BTD, positions_BT, cfg: ModelConfig, mm):
+    def linear(self, name: str, x, spec: str, mm, key=None):
+        """x times the weight `name`, plus its LoRA update if it has an adapter (`key`: the
+        adapters' dropout, None when not training)."""
+        y = mm(x, getattr(self, name)[...], spec)
+        if self.lora is None or name not in self.lora.targets:
+            return y
+        a, b = (getattr(self, n)[...] for n in lora_lib.adapter_names(name))
+        key = None if key is None else jax.random.fold_in(key, lora_lib.WEIGHTS.index(name))
+        return y + lora_lib.update(x, a, b, spec, self.lora, mm, key)
+
+    def qkv(self, h_BTD, positions_BT, cfg: ModelConfig, mm, key=None):
         """Queries [B, T, H, K] and keys/values [B, T, G, K]: projected, QK-normed, rotated."""
         if self.w_qkv is not None:
-            qkv_BT3HK = mm(h_BTD, self.w_qkv[...], "btd,dchk->btchk") + _bias(self.b_qkv)
+            qkv_BT3HK = self.linear("w_qkv", h_BTD, "btd,dchk->btchk", mm, key) + _bias(self.b_qkv)
             q_BTHK, k_BTGK, v_BTGK = (qkv_BT3HK[:, :, i] for i in range(3))
         else:
-            q_BTHK = mm(h_BTD, self.w_q[...], "btd,dhk->bthk") + _bias(self.b_q)
-            kv_BT2GK = mm(h_BTD, self.w_kv[...], "btd,dcgk->btcgk") + _bias(self.b_kv)
+            q_BTHK = self.linear("w_q", h_BTD, "btd,dhk->bthk", mm, key) + _bias(self.b_q)
+            kv_BT2GK = self.linear("w_kv", h_BTD, "btd,dcgk->btcgk", mm, key) + _bias(self.b_kv)
             k_BTGK, v_BTGK = kv_BT2GK[:, :, 0], kv_BT2GK[:, :, 1]
         if cfg.qk_norm:  # per head, before the rotation (Qwen3)
             q_BTHK = rms_norm(q_BTHK, self.q_norm[...], cfg.norm_eps)
@@ -235,14 +250,14 @@ class Block(nnx.Module):
             k_BTGK = rope(k_BTGK, positions_BT, cfg.rope_theta)
         return q_BTHK, k_BTGK, v_BTGK
 
-    def mlp(self, h_BTD, cfg: ModelConfig, mm):
+    def mlp(self, h_BTD, cfg: ModelConfig, mm, key=None):
         if cfg.mlp == "swiglu":
-            gu_BT2F = mm(h_BTD, self.w_fc[...], "btd,dcf->btcf") + _bias(self.b_fc)
+            gu_BT2F = self.linear("w_fc", h_BTD, "btd,dcf->btcf", mm, key) + _bias(self.b_fc)
             h_BTF = jax.nn.silu(gu_BT2F[:, :, 0]) * gu_BT2F[:, :, 1]
         else:
-            h_BTF = jax.nn.gelu(mm(h_BTD, self.w_fc[...], "btd,df->btf") + _bias(self.b_fc),
+            h_BTF = jax.nn.gelu(self.linear("w_fc", h_BTD, "btd,df->btf", mm, key) + _bias(self.b_fc),
                                 approximate=cfg.activation == "gelu_tanh")
-        return mm(h_BTF, self.w_proj[...], "btf,fd->btd") + _bias(self.b_proj)
+        return self.linear("w_proj", h_BTF, "btf,fd->btd", mm, key) + _bias(self.b_proj)
 
     def __call__(self, x_BTD, kv, positions_BT, mask_BTS, cache_index, cfg: ModelConfig, rt: Runtime,
                  key):
@@ -250,10 +265,12 @@ class Block(nnx.Module):
         (k, v) [B, T, G, K] in the cache's dtype, which the caller writes into the cache once for
         all layers (returning the whole updated layer cache would copy it every decode step)."""
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
+        lora_key = None if key is None else jax.random.fold_in(key, 3)  # the adapters' dropout
         mm = lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp)
 
         h_BTD = normalize(x_BTD, _norm(self.ln1_scale, self.ln1_bias, self.ln1_alpha), cfg)
-        q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype) for a in self.qkv(h_BTD, positions_BT, cfg, mm))
+        q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
+                                  for a in self.qkv(h_BTD, positions_BT, cfg, mm, lora_key))
         if kv is None:
             k_BSGK, v_BSGK, impl = k_BTGK, v_BTGK, rt.attention
         else:
@@ -264,19 +281,19 @@ class Block(nnx.Module):
         k_BSHK, v_BSHK = (jnp.repeat(a, groups, axis=2) if groups > 1 else a for a in (k_BSGK, v_BSGK))
         y_BTHK = attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl, cpu_layouts=rt.cpu_layouts,
                            rate=rt.dropout, key=keys[0], block=rt.attention_block)
-        attn_BTD = mm(y_BTHK, self.w_o[...], "bthk,hkd->btd") + _bias(self.b_o)
+        attn_BTD = self.linear("w_o", y_BTHK, "bthk,hkd->btd", mm, lora_key) + _bias(self.b_o)
         x_BTD = x_BTD + dropout(attn_BTD, rt.dropout, keys[1])
 
         h_BTD = normalize(x_BTD, _norm(self.ln2_scale, self.ln2_bias, self.ln2_alpha), cfg)
-        return x_BTD + dropout(self.mlp(h_BTD, cfg, mm), rt.dropout, keys[2]), kv
+        return x_BTD + dropout(self.mlp(h_BTD, cfg, mm, lora_key), rt.dropout, keys[2]), kv
 
 
-def _stack_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+def _stack_blocks(cfg: ModelConfig, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None) -> Block:
     """L independently initialised blocks as one Block whose arrays have a leading "layers" axis."""
     @nnx.split_rngs(splits=cfg.n_layer)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=rngs)
+        return Block(cfg, rngs=rngs, lora=lora)
     return make(rngs)
 
 
@@ -285,14 +302,16 @@ REMAT_POLICIES = {"block": jax.checkpoint_policies.nothing_saveable,
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, runtime: Runtime | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, runtime: Runtime | None = None,
+                 lora: lora_lib.LoRAConfig | None = None):
+        """`lora`: LoRA adapters (nnx.LoRAParam) on the blocks' targeted weights (gpt/lora.py)."""
         self.cfg = cfg
         self.rt = runtime or runtime_lib.resolve(cfg)
         D = cfg.n_embd
         self.wte = _normal(rngs.params(), (cfg.padded_vocab_size, D), 0.02, ("vocab", "embed"))
         self.wpe = _normal(rngs.params(), (cfg.block_size, D), 0.02, (None, "embed")) \
             if cfg.pos_embedding == "learned" else None
-        self.blocks = _stack_blocks(cfg, rngs)
+        self.blocks = _stack_blocks(cfg, rngs, lora)
         self.lnf_scale, self.lnf_bias, self.lnf_alpha = _norm_params(cfg)
         self.w_head = None if cfg.tie_embeddings else \
             _normal(rngs.params(), (cfg.padded_vocab_size, D), 0.02, ("vocab", "embed"))
@@ -380,9 +399,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     return 6 * n + 12 * cfg.n_layer * T * cfg.n_head * cfg.head_dim
 
 
-def abstract_model(cfg: ModelConfig, seed: int = 0, runtime: Runtime | None = None) -> GPT:
+def abstract_model(cfg: ModelConfig, seed: int = 0, runtime: Runtime | None = None,
+                   lora: lora_lib.LoRAConfig | None = None) -> GPT:
     """The model with shapes and dtypes only (no memory): its graphdef and parameter shapes."""
-    return nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(seed), runtime=runtime))
+    return nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(seed), runtime=runtime, lora=lora))
 
 
 def abstract_params(m: ModelConfig, shardings=None):

@@ -29,12 +29,13 @@ from flax import nnx
 from gpt import checkpoint as ckpt
 from gpt import batches as batches_lib
 from gpt import data as data_lib
+from gpt import lora as lora_lib
 from gpt import store
 from gpt import metrics as metrics_lib
 from gpt import sharding
 from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, to_dict
 from gpt.errors import UserError
-from gpt.model import GPT, abstract_model, abstract_params, flops_per_token, num_params
+from gpt.model import GPT, abstract_model, flops_per_token, num_params
 from gpt.runtime import Runtime, dtype_note, resolve
 from gpt.tokenizer import REPO_ROOT, atomic_write_bytes, load_tokenizer
 
@@ -65,9 +66,10 @@ def lr_schedule(t: TrainConfig) -> Callable[[jax.Array], jax.Array]:
 
 
 def decay_mask(params: Any) -> Any:
-    """Weight decay on matrices only (names starting with w), not biases or LayerNorm scales."""
+    """Weight decay on matrices only (names starting with w, and LoRA adapters), not biases or
+    LayerNorm scales."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: sharding._leaf_name(path).startswith("w"), params)
+        lambda path, _: sharding._leaf_name(path).startswith(("w", "lora_")), params)
 
 
 def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
@@ -85,30 +87,33 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     return jnp.mean(lse_BT - target_logit_BT)
 
 
-def loss_fn(graphdef, params, x_BT, y_BT, dropout_key=None) -> jax.Array:
-    """Logits at position t are scored against y[t] = x[t + 1] (the loader shifts the targets)."""
-    logits_BTV, _ = nnx.merge(graphdef, params)(x_BT, dropout_key=dropout_key)
+def loss_fn(graphdef, params, x_BT, y_BT, dropout_key=None, frozen=None) -> jax.Array:
+    """Logits at position t are scored against y[t] = x[t + 1] (the loader shifts the targets).
+    `frozen`: parameters that are not trained (a LoRA run's base), merged in beside `params`."""
+    model = nnx.merge(graphdef, params, frozen) if frozen else nnx.merge(graphdef, params)
+    logits_BTV, _ = model(x_BT, dropout_key=dropout_key)
     return cross_entropy(logits_BTV, y_BT)
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, seed: int, train_mode: bool = True,
                     lr: Callable[[jax.Array], jax.Array] | None = None):
-    """(params, opt_state, step, x_ABT, y_ABT) -> (params, opt_state, step + 1, metrics).
+    """(params, opt_state, step, x_ABT, y_ABT[, frozen]) -> (params, opt_state, step + 1, metrics).
 
     A is the number of gradient-accumulation micro-batches, summed inside the compiled step with a
     scan so that the result equals one step on the concatenated batch. With `lr` (the optimizer's
-    schedule) the metrics include the learning rate this step applied.
+    schedule) the metrics include the learning rate this step applied. `frozen` parameters (a
+    LoRA run's base) take part in the loss but get no gradient and no update.
     """
     base_key = jax.random.key(seed)
 
-    def step_fn(params, opt_state, step, x_ABT, y_ABT):
+    def step_fn(params, opt_state, step, x_ABT, y_ABT, frozen=None):
         key = jax.random.fold_in(base_key, step) if train_mode else None
         A = x_ABT.shape[0]
 
         def micro(grads_acc, xs):
             i, x_BT, y_BT = xs
             k = None if key is None else jax.random.fold_in(key, i)
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, x_BT, y_BT, k))(params)
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, x_BT, y_BT, k, frozen))(params)
             return jax.tree.map(jnp.add, grads_acc, grads), loss
 
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -124,8 +129,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, seed: int, train
 
 
 def make_eval_step(graphdef):
-    """(params, x_BT, y_BT) -> mean next-token loss, without dropout (also gpt.evaluate's)."""
-    return lambda params, x_BT, y_BT: loss_fn(graphdef, params, x_BT, y_BT)
+    """(params, x_BT, y_BT[, frozen]) -> mean next-token loss, without dropout."""
+    return lambda params, x_BT, y_BT, frozen=None: loss_fn(graphdef, params, x_BT, y_BT, frozen=frozen)
 
 
 def evaluate(eval_fn, params, data_dir: Path, meta: dict, shape: tuple[int, int], at_step: int,
@@ -160,7 +165,9 @@ class Setup:
     train_cfg: TrainConfig
     data_dir: Path
     meta: dict[str, Any]
-    init_params: Any = None  # from --init_from=<dir>|gpt2
+    init_params: Any = None  # from --init_from=<dir>|gpt2 (a LoRA run: its frozen base)
+    lora: lora_lib.LoRAConfig | None = None
+    base_ref: dict[str, Any] | None = None  # a LoRA run's base: path, step, sha256
 
 
 def resolve_data(t: TrainConfig) -> Path:
@@ -210,19 +217,21 @@ def find_gpt2_dir() -> Path:
 def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]) -> Setup:
     """Resolve data, vocabulary and the starting point; every user mistake raises UserError here.
     In a multi-host job every process does the same, and a mistake on any stops them all."""
-    m, c, t = sharding.all_or_none(lambda: _starting_point(m, c, t, explicit))
+    m, c, t, meta_ck = sharding.all_or_none(lambda: _starting_point(m, c, t, explicit))
     data_dir = resolve_data(t)
-    return sharding.all_or_none(lambda: _with_data(m, c, t, explicit, data_dir))
+    return sharding.all_or_none(lambda: _with_data(m, c, t, explicit, data_dir, meta_ck))
 
 
 def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]
-                    ) -> tuple[ModelConfig, ComputeConfig, TrainConfig]:
-    """The settings, from the checkpoint for --init_from=resume; out_dir's state checked."""
+                    ) -> tuple[ModelConfig, ComputeConfig, TrainConfig, dict | None]:
+    """The settings, from the checkpoint for --init_from=resume (with its meta); out_dir's state
+    checked."""
     out = Path(t.out_dir)
     if t.init_from == "resume" and t.overwrite:
         raise UserError("--overwrite starts over and --init_from=resume continues: pass one of them")
     if sharding.is_main_process():  # an --overwrite run that died before saving: old run back
         ckpt.settle_aside(out, out.absolute() / ckpt.ASIDE)
+    meta_ck = None
     if t.init_from == "resume":
         steps = ckpt.list_steps(out)
         if not steps:
@@ -242,14 +251,19 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
         raise UserError(f"{ckpt.checkpoint_dir(out)} holds files our runs never write "
                         f"({', '.join(ckpt.foreign_entries(out)[:3])}), so --overwrite will not replace it; "
                         f"pick another --out_dir")
-    return m, c, t
+    return m, c, t, meta_ck
 
 
-def _with_data(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str], data_dir: Path) -> Setup:
+def _with_data(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str], data_dir: Path,
+               meta_ck: dict | None) -> Setup:
     """The data's meta, --init_from's weights, and the vocabulary checked against the data."""
     meta = data_lib.load_meta(data_dir)
-    init_params = None
-    if t.init_from not in ("scratch", "resume"):
+    init_params, lora, base_ref = None, None, None
+    if t.lora_rank:
+        m, base = _lora_base(t, m, explicit, meta_ck)
+        lora_lib.check_tokenizer(base, meta["tokenizer"], base.ref["path"])
+        init_params, lora, base_ref = base.params, lora_lib.resolve(t, m), base.ref
+    elif t.init_from not in ("scratch", "resume"):
         src = find_gpt2_dir() if t.init_from == "gpt2" else Path(t.init_from)
         m, init_params = load_init(src, m, explicit)
     if t.init_from == "scratch":
@@ -265,7 +279,22 @@ def _with_data(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[s
     if t.align_documents and meta["format_version"] < 2:
         raise UserError(f"{str(data_dir)!r} has no document index (a single-file data dir, format version 1), "
                         f"which --align_documents needs; prepare the data again with python -m gpt.data")
-    return Setup(m, c, t, data_dir, meta, init_params)
+    return Setup(m, c, t, data_dir, meta, init_params, lora, base_ref)
+
+
+def _lora_base(t: TrainConfig, m: ModelConfig, explicit: set[str], meta_ck: dict | None
+               ) -> tuple[ModelConfig, lora_lib.Base]:
+    """A LoRA run's frozen base: --init_from's, or the one a resumed run recorded (which must be
+    unchanged); the architecture is the base's."""
+    if meta_ck is None:
+        base = lora_lib.read_base(find_gpt2_dir() if t.init_from == "gpt2" else Path(t.init_from))
+    elif isinstance(meta_ck.get("lora"), dict):
+        base = lora_lib.load_base(meta_ck["lora"].get("base"), t.out_dir)
+    else:
+        raise UserError(f"the run in {t.out_dir} is not a LoRA run, so it cannot be resumed with "
+                        f"--lora_rank; to fine-tune its weights with LoRA use --init_from={t.out_dir} "
+                        f"--out_dir=NEW_DIR")
+    return _model_for_checkpoint(base.cfg, m, explicit), base
 
 
 # What a resumed run may change with a flag (how long it runs, how often it reports, where the
@@ -315,15 +344,15 @@ def _settings_for_resume(saved: dict, c: ComputeConfig, t: TrainConfig,
 
 
 def load_init(src: Path, m: ModelConfig, explicit: set[str]) -> tuple[ModelConfig, Any]:
-    """Parameters (host arrays) and architecture from a checkpoint dir or a Hugging Face GPT-2 dir."""
-    if (src / "config.json").is_file() and not (src / "checkpoints").exists():
+    """Parameters (host arrays) and architecture from a checkpoint dir (a LoRA run's merged) or a
+    Hugging Face dir."""
+    if lora_lib.is_hf_dir(src):
         from gpt.convert import load_hf
         hf_model, params = load_hf(src)
         return _model_for_checkpoint(hf_model, m, explicit), params
     _, meta = ckpt.read_meta(src)
     m = _model_for_checkpoint(model_from_dict(meta["config"]["model"]), m, explicit)
-    abstract = abstract_params(m)
-    _, params, _, _ = ckpt.Checkpointer(src, read_only=True).restore(abstract)
+    _, _, params, _ = lora_lib.restore_params(src)
     return m, params
 
 
@@ -370,11 +399,12 @@ class StopFlag:
 
 @dataclasses.dataclass
 class State:
-    """What changes from step to step (and what a checkpoint holds)."""
-    params: Any
+    """What changes from step to step (and what a checkpoint holds: all but `frozen`)."""
+    params: Any  # what trains: all parameters, or a LoRA run's adapters
     opt_state: Any
     step: int = 0
     best_val: float | None = None
+    frozen: Any = dataclasses.field(default_factory=dict)  # a LoRA run's base: read, never updated
 
 
 @dataclasses.dataclass
@@ -443,54 +473,59 @@ def agree_across_processes(s: Setup, out: Path) -> None:
 
 
 def init_state(s: Setup, model_shape: GPT, tx, mesh) -> tuple[State, dict[str, Any]]:
-    """Parameters (fresh, or --init_from's) and optimizer state, created sharded on the mesh."""
+    """Parameters (fresh, or --init_from's; a LoRA run: fresh adapters beside the frozen base)
+    and optimizer state, created sharded on the mesh."""
     m, t = s.model_cfg, s.train_cfg
-    p_shard = sharding.param_shardings(nnx.state(model_shape), mesh)
-    init_fn = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed),
-                                                             runtime=model_shape.rt))),
-                      out_shardings=p_shard)
-    params = init_fn() if s.init_params is None else jax.device_put(s.init_params, p_shard)
+    trainable, frozen = lora_lib.split_state(model_shape, s.lora)
+    p_shard, f_shard = (sharding.param_shardings(x, mesh) for x in (trainable, frozen))
+    if s.lora is not None:
+        params = jax.device_put(lora_lib.init_adapters(m, s.lora, t.seed), p_shard)
+        frozen_params = jax.device_put(s.init_params, f_shard)
+    else:
+        init_fn = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed),
+                                                                 runtime=model_shape.rt))),
+                          out_shardings=p_shard)
+        params = init_fn() if s.init_params is None else jax.device_put(s.init_params, p_shard)
+        frozen_params = {}
     o_shard = sharding.like_params(jax.eval_shape(tx.init, params), p_shard, mesh)
     opt_state = jax.jit(tx.init, out_shardings=o_shard)(params)
-    return State(params, opt_state), {"params": p_shard, "opt_state": o_shard}
+    return State(params, opt_state, frozen=frozen_params), {"params": p_shard, "opt_state": o_shard,
+                                                            "frozen": f_shard}
 
 
-def restore_state(checkpointer: ckpt.Checkpointer, m: ModelConfig, state: State,
-                  shards: dict[str, Any]) -> State:
-    """The newest complete checkpoint, restored onto the current mesh."""
-    abs_p = abstract_params(m, shards["params"])
-    abs_o = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                         jax.eval_shape(lambda: state.opt_state), shards["opt_state"])
-    step, params, opt_state, meta = checkpointer.restore(abs_p, abs_o)
-    return State(params, opt_state, step, meta.get("best_val_loss"))
+def restore_state(checkpointer: ckpt.Checkpointer, state: State, shards: dict[str, Any]) -> State:
+    """The newest complete checkpoint, restored onto the current mesh (a LoRA run's base stays)."""
+    abstract = lambda tree, sh: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(lambda: tree), sh)
+    step, params, opt_state, meta = checkpointer.restore(abstract(state.params, shards["params"]),
+                                                         abstract(state.opt_state, shards["opt_state"]))
+    return State(params, opt_state, step, meta.get("best_val_loss"), state.frozen)
 
 
 def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Run, State]:
     """Model, state (fresh or resumed), compiled steps, data and outputs: all before step one."""
     m, t = s.model_cfg, s.train_cfg
     rt: Runtime = resolve(m, s.compute_cfg)
-    model_shape = abstract_model(m, t.seed, rt)
+    model_shape = abstract_model(m, t.seed, rt, s.lora)
     graphdef = nnx.graphdef(model_shape)
     tx = make_optimizer(t)
     state, shards = init_state(s, model_shape, tx, mesh)
     checkpointer = ckpt.Checkpointer(out, keep=t.keep_checkpoints)
     if t.init_from == "resume":
-        state = restore_state(checkpointer, m, state, shards)
+        state = restore_state(checkpointer, state, shards)
         log(f"resuming from step {state.step} in {out}")
-    total_b, per_dev_b = sharding.state_bytes((state.params, state.opt_state))
-    log(f"{num_params(m) / 1e6:.2f}M params; params+optimizer {total_b / 1e9:.3f} GB in all, "
-        f"{per_dev_b / 1e9:.3f} GB per device on {mesh.size} (mesh {dict(mesh.shape)}); "
-        f"compute {rt.dtype.name}{dtype_note(rt.dtype)}")
+    log(start_line(s, state, rt, mesh))
     copy_tokenizer_files(s, out)
     shards["batch"] = sharding.batch_sharding(mesh, ndim=3)
     shards["eval"] = sharding.batch_sharding(mesh, ndim=2)
-    step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, rt.dropout > 0, lr_schedule(t)),
+    train_mode = rt.dropout > 0 or (s.lora is not None and s.lora.dropout > 0)
+    step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode, lr_schedule(t)),
                       in_shardings=(shards["params"], shards["opt_state"], None, shards["batch"],
-                                    shards["batch"]),
+                                    shards["batch"], shards["frozen"]),
                       out_shardings=(shards["params"], shards["opt_state"], None, None),
                       donate_argnums=(0, 1))
     eval_fn = jax.jit(make_eval_step(graphdef), in_shardings=(shards["params"], shards["eval"],
-                                                               shards["eval"]))
+                                                               shards["eval"], shards["frozen"]))
     layout = sharding.batch_process_layout(mesh)  # this process's block of the batch rows
     batches = batches_lib.Batches(s.data_dir, "train", m.block_size,
                                   t.batch_size * t.gradient_accumulation_steps, seed=t.seed,
@@ -498,17 +533,35 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
                                   align_documents=t.align_documents, meta=s.meta)
     batches.restore({"seed": t.seed, "index": state.step})
     if t.align_documents:
-        waste = batches.waste()
-        sharding.log(f"{'warning: ' if waste > 0.5 else ''}align_documents: every row starts at a document "
-                     f"start; {100 * waste:.1f}% of the tokens drawn are cut off at row ends (measured over 8 "
-                     f"batches){'; documents are much longer than a row here, so most text is never seen: drop --align_documents' if waste > 0.5 else ''}")
-    through = metrics_lib.Throughput(flops_per_token(m, m.block_size),
+        log_packing_waste(batches)
+    flops = flops_per_token(m, m.block_size) if s.lora is None else \
+        lora_lib.flops_per_token(m, lora_lib.count(state.params), m.block_size)
+    through = metrics_lib.Throughput(flops,
                                      metrics_lib.measure_matmul_tflops(rt.dtype),
                                      metrics_lib.vendor_peak_tflops(rt.dtype.name), mesh.size)
     mlog = metrics_lib.MetricsLog(out, resume_step=state.step if t.init_from == "resume" else None,
                                   enabled=sharding.is_main_process())
     return Run(s, mesh, step_fn, eval_fn, shards, batches, layout, checkpointer, mlog,
                through), state
+
+
+def start_line(s: Setup, state: State, rt: Runtime, mesh) -> str:
+    """Model size (and a LoRA run's trainable part), state memory, compute dtype."""
+    total_b, per_dev_b = sharding.state_bytes((state.params, state.opt_state, state.frozen))
+    lora = f" ({lora_lib.describe(s.lora, lora_lib.count(state.params))})" if s.lora else ""
+    return (f"{num_params(s.model_cfg) / 1e6:.2f}M params{lora}; params+optimizer {total_b / 1e9:.3f} GB "
+            f"in all, {per_dev_b / 1e9:.3f} GB per device on {mesh.size} (mesh {dict(mesh.shape)}); "
+            f"compute {rt.dtype.name}{dtype_note(rt.dtype)}")
+
+
+def log_packing_waste(batches: batches_lib.Batches) -> None:
+    """--align_documents: how much text packing cuts off (most, when documents dwarf a row)."""
+    waste = batches.waste()
+    warn = waste > 0.5
+    sharding.log(f"{'warning: ' if warn else ''}align_documents: every row starts at a document start; "
+                 f"{100 * waste:.1f}% of the tokens drawn are cut off at row ends (measured over 8 batches)"
+                 + ("; documents are much longer than a row here, so most text is never seen: drop "
+                    "--align_documents" if warn else ""))
 
 
 def copy_tokenizer_files(s: Setup, out: Path) -> None:
@@ -533,7 +586,8 @@ def run_eval(run: Run, state: State, at_step: int) -> dict[str, float | None]:
     t, m = run.s.train_cfg, run.s.model_cfg
     shape = (t.batch_size, m.block_size)
     place = lambda a: sharding.global_batch(a, run.shardings["eval"], shape)
-    return evaluate(run.eval_fn, state.params, run.s.data_dir, run.s.meta, shape, at_step, t,
+    eval_fn = lambda params, x_BT, y_BT: run.eval_fn(params, x_BT, y_BT, state.frozen)  # noqa: E731
+    return evaluate(eval_fn, state.params, run.s.data_dir, run.s.meta, shape, at_step, t,
                     run.layout, place)
 
 
@@ -544,6 +598,8 @@ def save(run: Run, state: State, val_loss: float | None) -> None:
                        "train": to_dict(s.train_cfg)},
             "tokenizer": s.meta["tokenizer"], "data_dir": str(s.data_dir.absolute()),
             "val_loss": val_loss, "best_val_loss": state.best_val}
+    if s.lora is not None:  # the adapters are the params; the base is referenced, not copied
+        meta["lora"] = lora_lib.meta_block(s.lora, s.base_ref)
     run.checkpointer.save(state.step, state.params, state.opt_state, meta, val_loss)
 
 
@@ -645,13 +701,15 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
     run, state = build_run(s, mesh, out, log)
     tokens_per_step = t.gradient_accumulation_steps * t.batch_size * s.model_cfg.block_size
     ckpt_interval = t.ckpt_interval or t.eval_interval
-    summary: dict[str, Any] = {"start_step": state.step, "train_losses": []}
+    state_b = sharding.state_bytes((state.params, state.opt_state, state.frozen))[0]
+    summary: dict[str, Any] = {"start_step": state.step, "train_losses": [], "state_bytes": state_b,
+                               "trainable_params": lora_lib.count(state.params)}
     stop, prog = StopFlag(), Progress(t, state.step, log)
     x, y = next_batch(run)
     try:
         while state.step < t.max_iters:
             state.params, state.opt_state, _, metrics = run.step_fn(
-                state.params, state.opt_state, state.step, x, y)
+                state.params, state.opt_state, state.step, x, y, state.frozen)
             state.step += 1
             prog.tokens += tokens_per_step
             last = state.step == t.max_iters

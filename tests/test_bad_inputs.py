@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import REPO
@@ -96,6 +97,7 @@ def w(tmp_path_factory, char_data):
     _edited_checkpoints(root, good)
     (root / "textdir").mkdir()
     (root / "textdir" / "a.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40)
+    _lora_runs(root, good, char_data, run_inproc)
     return dict(root=root, data=char_data, good=good, bad=bad, old_data=root / "old_data")
 
 
@@ -132,6 +134,29 @@ def _edited_data_dirs(root: Path, char_data: Path) -> None:
     old = {k: meta[k] for k in ("tokenizer", "vocab_size", "dtype")}
     old["splits"] = {s: {k: meta["splits"][s][k] for k in ("tokens", "bytes")} for s in ("train", "val")}
     (v1 / "meta.json").write_text(json.dumps({"format_version": 1, **old}))
+
+
+def _lora_runs(root: Path, good: Path, char_data: Path, run_inproc) -> None:
+    """A LoRA run of `good`, and copies of it whose base is gone or has changed since."""
+    from gpt import lora
+    run_inproc(root / "lora", char_data, f"--init_from={good}", "--lora_rank=4", "--max_iters=2",
+               "--eval_interval=2")
+    changed = root / "changed_base"  # good's weights at the same step, one of them perturbed
+    step, meta = ckpt.read_meta(good)
+    params = lora.read_base(good).params
+    params["lnf_scale"] = params["lnf_scale"] + 1.0
+    c = ckpt.Checkpointer(changed, keep=1, async_save=False)
+    c.save(step, params, {"none": np.zeros((), np.int32)}, meta, None)
+    c.close()
+    for name, base in (("lora_gone", root / "gone_base"), ("lora_changed", changed)):
+        shutil.copytree(root / "lora", root / name)
+        for s in ckpt.list_steps(root / name):
+            path = ckpt.checkpoint_dir(root / name) / str(s) / "meta" / "metadata"
+            meta = json.loads(path.read_text())
+            meta["lora"]["base"]["path"] = str(base)
+            path.write_text(json.dumps(meta))
+    (root / "nonempty").mkdir()
+    (root / "nonempty" / "notes.txt").write_text("mine")
 
 
 def _parquet_bytes(columns: dict) -> bytes:
@@ -192,6 +217,29 @@ def cases(w) -> list[Case]:
              "every checkpoint", bad),
         Case("train init_from missing dir", T + [f"--out_dir={new}", f"--init_from={root / 'nowhere'}"],
              "no checkpoint found", new),
+        # train.py: LoRA
+        Case("train lora without init_from", T + [f"--out_dir={new}", "--lora_rank=8"],
+             "pass --init_from=DIR", new),
+        Case("train lora rank zero", T + [f"--out_dir={new}", f"--init_from={good}", "--lora_rank=0"],
+             "--lora_rank=0 must be positive", new),
+        Case("train lora rank negative", T + [f"--out_dir={new}", f"--init_from={good}", "--lora_rank=-2"],
+             "--lora_rank=-2", new),
+        Case("train lora rank above matrix", T + [f"--out_dir={new}", f"--init_from={good}",
+                                                  "--lora_rank=1000"], "larger than the matrix", new),
+        Case("train lora unknown target", T + [f"--out_dir={new}", f"--init_from={good}", "--lora_rank=8",
+                                               "--lora_targets=attn,q_proj"], "unknown target 'q_proj'", new),
+        Case("train lora target not in model", T + [f"--out_dir={new}", f"--init_from={good}",
+                                                    "--lora_rank=8", "--lora_targets=w_q"],
+             "this model has no w_q", new),
+        Case("train lora alpha zero", T + [f"--out_dir={new}", f"--init_from={good}", "--lora_rank=8",
+                                           "--lora_alpha=0"], "--lora_alpha=0", new),
+        Case("train lora of a lora run", T + [f"--out_dir={new}", f"--init_from={root / 'lora'}",
+                                              "--lora_rank=8"], "is a LoRA run", new),
+        Case("train lora resume base gone", T + [f"--out_dir={root / 'lora_gone'}", "--init_from=resume"],
+             "is gone", root / "lora_gone"),
+        Case("train lora resume base changed", T + [f"--out_dir={root / 'lora_changed'}",
+                                                    "--init_from=resume"], "has changed",
+             root / "lora_changed"),
         # sample.py
         Case("sample no checkpoint", [PY, "sample.py", f"--out_dir={root / 'empty'}"], "no checkpoint found",
              root / "empty"),
@@ -212,6 +260,10 @@ def cases(w) -> list[Case]:
         Case("sample draft damaged", S + [f"--draft_out_dir={bad}"], "every checkpoint", good),
         Case("sample draft tokens 0", S + [f"--draft_out_dir={good}", "--num_draft_tokens=0"],
              "--num_draft_tokens=0", good),
+        Case("sample lora base gone", [PY, "sample.py", f"--out_dir={root / 'lora_gone'}"], "is gone",
+             root / "lora_gone"),
+        Case("sample lora base changed", [PY, "sample.py", f"--out_dir={root / 'lora_changed'}"],
+             "has changed", root / "lora_changed"),
         # python -m gpt.data
         Case("data missing path", D + ["--input", str(root / "nope.txt"), "--tokenizer=char",
                                        f"--out_dir={new}"], "does not exist", new),
@@ -307,6 +359,15 @@ def cases(w) -> list[Case]:
         Case("convert pickle only", C + ["--from_hf", str(root / "hf_bin"), f"--out_dir={new}"],
              "pytorch_model.bin", new),
         Case("convert to_hf no dir", C + ["--to_hf", f"--out_dir={good}"], "--hf_dir", good),
+        Case("convert merge into non-empty", C + ["--merge_lora", f"--out_dir={root / 'lora'}",
+                                                  f"--merged_dir={root / 'nonempty'}"], "is not empty",
+             root / "nonempty"),
+        Case("convert merge not lora", C + ["--merge_lora", f"--out_dir={good}", f"--merged_dir={new}"],
+             "not a LoRA run", new),
+        Case("convert merge base gone", C + ["--merge_lora", f"--out_dir={root / 'lora_gone'}",
+                                             f"--merged_dir={new}"], "is gone", new),
+        Case("convert to_hf lora base changed", C + ["--to_hf", f"--out_dir={root / 'lora_changed'}",
+                                                     f"--hf_dir={new}"], "has changed", new),
         # python -m gpt.evaluate
         Case("evaluate missing file", E + [f"--out_dir={good}", "--input", str(root / "nope.txt")],
              "does not exist", good),
@@ -337,7 +398,9 @@ FAST = {"train unknown flag", "train negative lr", "train heads", "train block t
         "data not utf-8", "data empty corpus", "data jsonl not json", "data parquet no column",
         "data val_documents all", "train data newer format", "sample endless prompt file",
         "data out_dir is the input",
-        "convert pickle only", "convert not gpt2", "evaluate no checkpoint"}
+        "convert pickle only", "convert not gpt2", "evaluate no checkpoint",
+        "train lora without init_from", "train lora rank above matrix", "sample lora base changed",
+        "convert merge into non-empty"}
 
 
 def check(case: Case) -> str | None:

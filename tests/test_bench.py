@@ -7,8 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-
-
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,6 +55,20 @@ def test_gpu_suite_runs_at_tiny_size(tmp_path):
     assert res["curve"]["exit"] == 0 and [s for s, *_ in res["curve"]["eval"]] == [10, 20]
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert "## Training step" in (tmp_path / "gpu.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_lora_smoke(tmp_path):
+    """bench/lora.py end to end at a tiny size: base, LoRA and full fine-tuning, all figures there."""
+    out = _run("lora.py", f"--out={tmp_path}", "--preset=tiny", "--base_iters=4", "--iters=4",
+               "--eval_iters=1", "--rank=2")
+    res = out["results"]
+    assert res["base"]["whole_val_loss"] > 0
+    for name in ("lora", "full"):
+        for k in ("val_loss", "whole_val_loss", "trainable_params", "state_bytes", "step_ms"):
+            assert k in res[name]
+    assert res["lora"]["trainable_params"] < res["full"]["trainable_params"]
+    assert res["lora"]["state_bytes"] < res["full"]["state_bytes"]
 
 
 def test_profile_reports_device_time():
