@@ -29,7 +29,7 @@ from gpt import sharding
 from gpt import train as T
 from gpt.config import build_train, to_dict
 from gpt.errors import UserError
-from gpt.model import GPT
+from gpt.model import GPT, abstract_model
 
 ARCHS = {"gpt2": dict(), "llama": dict(n_head=4, n_kv_head=2, pos_embedding="rope", norm="rmsnorm",
                                        mlp="swiglu", bias=False, tie_embeddings=False)}
@@ -45,10 +45,29 @@ def targets(cfg) -> tuple[str, ...]:
     return (*attn, "w_o", "w_fc", "w_proj")
 
 
+def random_params(cfg, seed: int = 0) -> dict:
+    """Random base parameters of `cfg` drawn on the host (norm scales near 1, the rest N(0, 0.02^2)):
+    building a GPT eagerly compiles every initialiser op by op, seconds per model here."""
+    rng = np.random.default_rng(seed)
+    scale = lambda name: "scale" in name or "norm" in name or "alpha" in name  # noqa: E731
+    draw = lambda path, x: ((1.0 if scale(jax.tree_util.keystr(path)) else 0.0)  # noqa: E731
+                            + (0.1 if scale(jax.tree_util.keystr(path)) else 0.02)
+                            * rng.standard_normal(x.shape)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(nnx.state(abstract_model(cfg))))
+
+
+def build(cfg, params: dict, lora=None, adapters=None, **runtime) -> GPT:
+    """A model of `cfg` holding `params` (and `lora`'s `adapters`), built from shapes alone."""
+    graphdef = nnx.graphdef(abstract_model(cfg, runtime=tiny_runtime(cfg, **runtime), lora=lora))
+    if adapters is not None:
+        params = {**params, "blocks": {**params["blocks"], **adapters["blocks"]}}
+    return nnx.merge(graphdef, params)
+
+
 def save_base(out, cfg, tokenizer: dict, seed: int = 0, step: int = 0, params=None) -> None:
     """A model of `cfg` (random, or `params`) saved as a checkpoint, as gpt.convert --from_hf does."""
     if params is None:
-        params = nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(seed))))
+        params = random_params(cfg, seed)
     meta = {"format_version": ckpt.FORMAT_VERSION, "step": step, "tokenizer": tokenizer,
             "config": {"model": to_dict(cfg), "train": {}}}
     c = ckpt.Checkpointer(out, keep=1, async_save=False)
@@ -67,13 +86,14 @@ def bases(tmp_path_factory, char_data):
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, char_data, bases):
-    """A 2-step LoRA run (adapter dropout on) from each base; the modern block's in bfloat16."""
+    """A LoRA run (adapter dropout on) from each base: the modern block's as `mesh_train` runs it on
+    one device (the reference of the resume and mesh tests), the GPT-2 block's 2 steps in bfloat16."""
     root = tmp_path_factory.mktemp("lora_runs")
-    for arch, dtype in (("gpt2", "float32"), ("llama", "bfloat16")):
-        r = run(root / arch, char_data, f"--init_from={bases / arch}", *LORA, "--lora_dropout=0.1",
-                "--max_iters=2", "--eval_interval=2", f"--dtype={dtype}")
-        assert all(np.isfinite(loss) for _, loss in r["train_losses"]) and np.isfinite(r["val_loss"])
-    return root
+    ref = mesh_train(char_data, bases / "llama", root / "llama", "")
+    r = run(root / "gpt2", char_data, f"--init_from={bases / 'gpt2'}", *LORA, "--lora_dropout=0.1",
+            "--max_iters=2", "--eval_interval=2", "--dtype=bfloat16")
+    assert all(np.isfinite(loss) for _, loss in r["train_losses"]) and np.isfinite(r["val_loss"])
+    return root, ref
 
 
 def lora_setup(out, data, base, *argv):
@@ -95,11 +115,11 @@ def logits(model, x) -> np.ndarray:
     return np.asarray(_forward(graphdef, state, x))[..., :model.cfg.vocab_size]
 
 
-def random_adapters(model, seed: int = 1) -> None:
-    """Replace every adapter (B included, which starts at zero) by random values."""
-    state = nnx.state(model, nnx.LoRAParam)
-    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
-    nnx.update(model, jax.tree.map(lambda x: 0.1 * jax.random.normal(next(keys), x.shape), state))
+def random_adapters(cfg, lora, seed: int = 1) -> dict:
+    """Adapters with random values everywhere (B included, which starts at zero)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: (0.1 * rng.standard_normal(x.shape)).astype(np.float32),
+                        L.init_adapters(cfg, lora, 0))
 
 
 # ----------------------------------------------------------------------------- the model
@@ -107,16 +127,17 @@ def random_adapters(model, seed: int = 1) -> None:
 
 @pytest.mark.parametrize("arch,dtype", [("gpt2", "float32"), ("llama", "float32"), ("llama", "bfloat16")])
 def test_fresh_lora_model_equals_its_base(arch, dtype):
+    """Fresh adapters (training's `init_adapters`: A random, B zero) leave the logits those of the base."""
     cfg = arch_config(arch)
     lora = L.LoRAConfig(4, 8.0, targets(cfg))
-    model = GPT(cfg, rngs=nnx.Rngs(0), runtime=tiny_runtime(cfg, dtype=dtype), lora=lora)
-    base = GPT(cfg, rngs=nnx.Rngs(0), runtime=tiny_runtime(cfg, dtype=dtype))
-    assert flat(L.split_state(model, lora)[1]).keys() == flat(nnx.state(base)).keys()
-    assert all(np.array_equal(a, b) for a, b in zip(flat(L.split_state(model, lora)[1]).values(),
-                                                     flat(nnx.state(base)).values()))
+    base_params, adapters = random_params(cfg), L.init_adapters(cfg, lora, seed=0)
+    assert all(np.abs(a).max() > 0 for k, a in flat(adapters).items() if "lora_a" in k)
+    assert all(not a.any() for k, a in flat(adapters).items() if "lora_b" in k)
+    model = build(cfg, base_params, lora, adapters, dtype=dtype)
+    assert flat(nnx.to_pure_dict(L.split_state(model, lora)[1])).keys() == flat(base_params).keys()
     x = jnp.arange(32)[None] % cfg.vocab_size
     # B = 0 adds exact zeros; only XLA fusing the two programs differently may move the last bit
-    assert np.abs(logits(model, x) - logits(base, x)).max() <= 1e-6
+    assert np.abs(logits(model, x) - logits(build(cfg, base_params, dtype=dtype), x)).max() <= 1e-6
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -126,23 +147,20 @@ def test_merged_equals_unmerged(arch):
     the unrolled model through the loader)."""
     cfg = arch_config(arch)
     lora = L.LoRAConfig(4, 8.0, targets(cfg))
-    model = GPT(cfg, rngs=nnx.Rngs(0), runtime=tiny_runtime(cfg, scan_layers=True), lora=lora)
-    random_adapters(model)
-    adapters, base = (nnx.to_pure_dict(s) for s in L.split_state(model, lora))
-    merged = GPT(cfg, rngs=nnx.Rngs(5), runtime=tiny_runtime(cfg, scan_layers=True))
-    nnx.update(merged, L.merge(base, adapters, lora))
+    base, adapters = random_params(cfg), random_adapters(cfg, lora)
+    model = build(cfg, base, lora, adapters, scan_layers=True)
+    merged = build(cfg, L.merge(base, adapters, lora), scan_layers=True)
     x = jax.random.randint(jax.random.key(0), (2, 32), 0, cfg.vocab_size)
     got, want = logits(model, x), logits(merged, x)
     assert np.abs(got - want).max() < 1e-5
-    ref = GPT(cfg, rngs=nnx.Rngs(0), runtime=tiny_runtime(cfg, scan_layers=True))  # adapters matter
-    assert np.abs(logits(ref, x) - want).max() > 1e-2
+    assert np.abs(logits(build(cfg, base, scan_layers=True), x) - want).max() > 1e-2  # adapters matter
 
 
 def test_adapter_shapes_follow_the_paper():
     """Rank r per projection (PEFT's q/k/v/gate/up), logical axes of the weight for sharding."""
     cfg = arch_config("llama")
     lora = L.LoRAConfig(4, 8.0, targets(cfg))
-    state = L.split_state(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0), lora=lora)), lora)[0]
+    state = L.split_state(abstract_model(cfg, lora=lora), lora)[0]
     shapes = {k: v.shape for k, v in nnx.to_pure_dict(state)["blocks"].items()}
     D, H, G, K, F = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.ffn
     assert shapes["lora_a_w_kv"] == (2, D, 2, 4) and shapes["lora_b_w_kv"] == (2, 2, 4, G, K)
@@ -209,24 +227,24 @@ def test_steps_train_the_adapters_only(tmp_path, char_data, bases):
         run_.mlog.close()
 
 
-def test_resume_is_exact_and_checkpoints_hold_adapters(tmp_path, char_data, bases):
-    """6 steps == 3 + resume + 3 (with adapter dropout), to the bit; the checkpoints hold the
+def test_resume_is_exact_and_checkpoints_hold_adapters(tmp_path, char_data, bases, lora_runs):
+    """4 steps == 2 + resume + 2 (with adapter dropout), to the bit; the checkpoints hold the
     adapters and a reference to the base, not a copy of it."""
-    common = [f"--init_from={bases / 'gpt2'}", *LORA, "--lora_dropout=0.1", "--eval_interval=3",
-              "--max_iters=6", "--lr_decay_iters=6"]
-    full = run(tmp_path / "a", char_data, *common)
-    first = run(tmp_path / "b", char_data, *common, "--max_iters=3")
-    second = run(tmp_path / "b", char_data, "--init_from=resume", "--max_iters=6")
-    assert second["start_step"] == 3
-    assert dict(first["train_losses"]) | dict(second["train_losses"]) == dict(full["train_losses"])
-    assert second["val_loss"] == full["val_loss"]
-    on_disk = ocp.StandardCheckpointer().metadata(ckpt.checkpoint_dir(tmp_path / "b") / "6" / "params")
+    root, ref = lora_runs
+    out = tmp_path / "b"
+    shutil.copytree(root / "llama", out)
+    shutil.rmtree(ckpt.checkpoint_dir(out) / "4")  # as if stopped after step 2
+    second = run(out, char_data, "--init_from=resume")
+    assert second["start_step"] == 2
+    assert dict(second["train_losses"]) == {s: loss for s, loss in ref["losses"] if s > 2}
+    assert second["val_loss"] == ref["val"]
+    on_disk = ocp.StandardCheckpointer().metadata(ckpt.checkpoint_dir(out) / "4" / "params")
     names = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_flatten_with_path(on_disk.item_metadata)[0]]
     assert names and all("lora_" in n for n in names)
-    _, meta = ckpt.read_meta(tmp_path / "b")
-    assert meta["lora"]["base"]["path"] == str((bases / "gpt2").absolute()) and meta["lora"]["rank"] == 4
-    a, b = (L.restore_params(tmp_path / d)[2] for d in "ab")
+    _, meta = ckpt.read_meta(out)
+    assert meta["lora"]["base"]["path"] == str((bases / "llama").absolute()) and meta["lora"]["rank"] == 4
+    a, b = (L.restore_params(d)[2] for d in (root / "llama", out))
     assert all(x.tobytes() == y.tobytes() for x, y in zip(flat(a).values(), flat(b).values()))
     assert second["trainable_params"] < 0.2 * L.count(a)
 
@@ -242,12 +260,11 @@ def test_sample_merge_lora_and_export(tmp_path, char_data, bases, lora_runs, arc
     import sample
     from gpt import convert
     from gpt.checkpoint import load_model
-    out = lora_runs / arch
+    out = lora_runs[0] / arch
     _, meta = ckpt.read_meta(out)
     cfg, lora = arch_config(arch, meta["config"]["model"]["vocab_size"]), L.from_meta(meta["lora"], out)
     _, adapters, _, _ = ckpt.Checkpointer(out, read_only=True).restore(L.abstract_adapters(cfg, lora))
-    unmerged = GPT(cfg, rngs=nnx.Rngs(0), runtime=tiny_runtime(cfg), lora=lora)
-    nnx.update(unmerged, L.read_base(bases / arch).params, adapters)
+    unmerged = build(cfg, L.read_base(bases / arch).params, lora, adapters)
     merged, _, _ = load_model(out, "float32")
     assert merged.blocks.lora is None and not nnx.state(merged, nnx.LoRAParam)
     x = jax.random.randint(jax.random.key(0), (2, 32), 0, cfg.vocab_size)
@@ -281,7 +298,7 @@ def test_base_gone_changed_or_a_lora_run(tmp_path, char_data, bases, lora_runs):
     from gpt.checkpoint import load_model
     base, out = tmp_path / "base", tmp_path / "lora"
     shutil.copytree(bases / "gpt2", base)
-    shutil.copytree(lora_runs / "gpt2", out)
+    shutil.copytree(lora_runs[0] / "gpt2", out)
     for step in ckpt.list_steps(out):  # point the copy at the copied base
         path = ckpt.checkpoint_dir(out) / str(step) / "meta" / "metadata"
         meta = json.loads(path.read_text())
@@ -318,12 +335,12 @@ def test_data_must_use_the_bases_tokenizer(tmp_path, bases):
 # ----------------------------------------------------------------------------- meshes
 
 def mesh_train(data, base, out, mesh: str) -> dict:
-    """A 4-step LoRA run (adapter dropout on) of the modern block on `mesh`: losses, val loss and
-    the adapters' partition specs. Runs here (one device) and in an 8-device subprocess."""
-    from gpt.model import abstract_model
+    """A 4-step LoRA run (adapter dropout on, checkpoints at 2 and 4) of the modern block on `mesh`:
+    losses, val loss and the adapters' partition specs. Runs here (one device: the `lora_runs`
+    fixture) and in an 8-device subprocess."""
     argv = ["--preset=tiny", f"--out_dir={out}", f"--data_dir={data}", f"--init_from={base}", *LORA,
-            "--lora_dropout=0.1", "--max_iters=4", "--eval_interval=4", "--log_interval=1", "--no_progress",
-            f"--mesh={mesh}", "--seed=0"]
+            "--lora_dropout=0.1", "--max_iters=4", "--eval_interval=4", "--ckpt_interval=2",
+            "--log_interval=1", "--no_progress", f"--mesh={mesh}", "--seed=0"]
     s = T.prepare_setup(*build_train(argv))
     summary = T.train(s, log=lambda msg: None)
     state = L.split_state(abstract_model(s.model_cfg, lora=s.lora), s.lora)[0]
@@ -337,10 +354,10 @@ _MESH_SCRIPT = "import json, sys; sys.path[:0] = ['tests']; import test_lora; " 
                "print(json.dumps(test_lora.mesh_train(*sys.argv[1:5])))"
 
 
-def test_sharded_matches_one_device(tmp_path, char_data, bases):
+def test_sharded_matches_one_device(tmp_path, char_data, bases, lora_runs):
     """LoRA on the modern block over data x fsdp x tensor (8 CPU devices) == one device, to 1e-5;
     the adapters are sharded like their weights (B of w_q over heads, A of w_proj over the MLP width)."""
-    one = mesh_train(char_data, bases / "llama", tmp_path / "one", "")
+    _, one = lora_runs
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(char_data), str(bases / "llama"),
                         str(tmp_path / "eight"), "data:2,fsdp:2,tensor:2"], cwd=REPO, env=env,
