@@ -262,9 +262,10 @@ def damaged_message(out_dir: str | Path, steps: list[int], why: str = "") -> str
             f"nothing to resume or sample from: train again with --init_from=scratch --overwrite")
 
 
-# What our checkpoints' metadata may hold: training runs, conversions (source, hf_model_type), LoRA.
+# What our checkpoints' metadata may hold: training runs, conversions (source, hf_model_type), LoRA
+# runs (lora) and their merges (merged_from).
 META_KEYS = frozenset({"format_version", "step", "config", "tokenizer", "data_dir", "val_loss", "best_val_loss",
-                       "source", "hf_model_type", "lora"})
+                       "source", "hf_model_type", "lora", "merged_from"})
 
 
 def check_meta(meta: dict[str, Any], out_dir: str | Path, step: int) -> None:

@@ -237,9 +237,10 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
         if not steps:
             raise UserError(ckpt.describe_missing(out))
         _, meta_ck = ckpt.read_meta(out)
-        if meta_ck.get("source") and not meta_ck["config"].get("train"):
-            raise UserError(f"{out} holds a checkpoint converted from {meta_ck['source']}, which has no training "
-                            f"state to resume (it is intact); fine-tune it with --init_from={out} and a new --out_dir")
+        if not meta_ck["config"].get("train") and not t.lora_rank:  # a conversion, or a LoRA merge
+            origin = meta_ck.get("source") or (meta_ck.get("merged_from") or {}).get("path", "another run")
+            raise UserError(f"{out} holds a checkpoint converted from {origin}, which has no training state to "
+                            f"resume (it is intact); fine-tune it with --init_from={out} and a new --out_dir")
         m = _model_for_checkpoint(model_from_dict(meta_ck["config"]["model"]), m, explicit)
         c, t = _settings_for_resume(meta_ck["config"], c, t, explicit)
         if not t.data_dir and not t.input and meta_ck.get("data_dir"):
