@@ -39,6 +39,7 @@ def test_bench_sample_smoke():
     assert rows[0]["baseline_tokens_per_sec"] > 0 and rows[1]["baseline_tokens_per_sec"] is None
 
 
+@pytest.mark.slow  # two minutes on 2 cores; a session with a GPU runs bench/gpu.py itself
 def test_gpu_suite_runs_at_tiny_size(tmp_path):
     """bench/gpu.py end to end on CPU with tiny models: every part runs and lands in gpu.json,
     gpu.md and loss.png (the GPU tests are skipped off a GPU)."""
