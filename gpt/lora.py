@@ -206,9 +206,7 @@ def resolve(t: TrainConfig, m: ModelConfig) -> LoRAConfig | None:
     the weights this architecture has, and every adapted matrix at least as large as the rank."""
     if not t.lora_rank:
         return None
-    from gpt.model import abstract_model
-    shapes = {k: v.shape[1:] for k, v in nnx.to_pure_dict(nnx.state(abstract_model(m).blocks)).items()
-              if k in WEIGHTS}
+    shapes = _block_shapes(m)
     wanted: set[str] = set()
     for name in t.lora_targets:
         if name in LORA_GROUPS:
@@ -227,16 +225,30 @@ def resolve(t: TrainConfig, m: ModelConfig) -> LoRAConfig | None:
     return LoRAConfig(t.lora_rank, t.lora_alpha, targets, t.lora_dropout)
 
 
-def from_meta(block: dict[str, Any], where: str | Path) -> LoRAConfig:
-    """The LoRAConfig recorded in a checkpoint's meta["lora"]."""
+def _block_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each block matrix of model `m` (without the layer axis), by name."""
+    from gpt.model import abstract_model
+    return {k: v.shape[1:] for k, v in nnx.to_pure_dict(nnx.state(abstract_model(m).blocks)).items()
+            if k in WEIGHTS}
+
+
+def from_meta(block: dict[str, Any], where: str | Path, m: ModelConfig) -> LoRAConfig:
+    """The LoRAConfig recorded in a checkpoint's meta["lora"], checked as `resolve` checks flags
+    (the file may be damaged or edited: repeated targets would add an update twice, a NaN alpha
+    would poison every merged weight), and against the model `m` it adapts."""
     try:
         cfg = LoRAConfig(int(block["rank"]), float(block["alpha"]), tuple(block["targets"]),
                          float(block.get("dropout", 0.0)))
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"the LoRA settings recorded in {where} are incomplete ({e}); the checkpoint's "
                         f"metadata is damaged") from None
-    if cfg.rank < 1 or not set(cfg.targets) <= set(WEIGHTS) or not isinstance(block.get("base"), dict):
-        raise UserError(f"the LoRA settings recorded in {where} are not valid; the checkpoint's "
+    shapes = _block_shapes(m)
+    ok = (type(block["rank"]) is int and cfg.rank >= 1 and math.isfinite(cfg.alpha) and cfg.alpha > 0
+          and 0.0 <= cfg.dropout < 1.0 and isinstance(block.get("base"), dict)
+          and cfg.targets == tuple(w for w in WEIGHTS if w in set(cfg.targets)) and cfg.targets
+          and all(w in shapes and cfg.rank <= min(matrix_shape(w, shapes[w])) for w in cfg.targets))
+    if not ok:
+        raise UserError(f"the LoRA settings recorded in {where} are not valid for its model; the checkpoint's "
                         f"metadata is damaged")
     return cfg
 
@@ -295,6 +307,9 @@ def load_base(ref: Any, where: str | Path) -> Base:
         raise UserError(f"the base model reference recorded in {where} is damaged; the LoRA run cannot "
                         f"be loaded")
     path, step = Path(ref["path"]), ref.get("step")
+    if ref["kind"] == "checkpoint" and type(step) is not int:
+        raise UserError(f"the base recorded in {where} has step {step!r}, not a step number; the checkpoint's "
+                        f"metadata is damaged")
     which = f"{path} (step {step})" if ref["kind"] == "checkpoint" else str(path)
     gone = not is_hf_dir(path) if ref["kind"] == "hf" else step not in ckpt.list_steps(path)
     if gone:
@@ -345,7 +360,7 @@ def restore_params(out_dir: str | Path, step: int | None = None
     if not isinstance(meta.get("lora"), dict):
         s, params, _, meta = reader.restore(abstract_params(cfg), step=step)
         return s, cfg, params, meta
-    lora = from_meta(meta["lora"], out_dir)
+    lora = from_meta(meta["lora"], out_dir, cfg)
     base = load_base(meta["lora"]["base"], out_dir)
     s, adapters, _, meta = reader.restore(abstract_adapters(cfg, lora), step=step)
     return s, cfg, merge(base.params, adapters, lora), meta

@@ -262,7 +262,8 @@ def test_sample_merge_lora_and_export(tmp_path, char_data, bases, lora_runs, arc
     from gpt.checkpoint import load_model
     out = lora_runs[0] / arch
     _, meta = ckpt.read_meta(out)
-    cfg, lora = arch_config(arch, meta["config"]["model"]["vocab_size"]), L.from_meta(meta["lora"], out)
+    cfg = arch_config(arch, meta["config"]["model"]["vocab_size"])
+    lora = L.from_meta(meta["lora"], out, cfg)
     _, adapters, _, _ = ckpt.Checkpointer(out, read_only=True).restore(L.abstract_adapters(cfg, lora))
     unmerged = build(cfg, L.read_base(bases / arch).params, lora, adapters)
     merged, _, _ = load_model(out, "float32")
@@ -371,3 +372,24 @@ def test_sharded_matches_one_device(tmp_path, char_data, bases, lora_runs):
     assert eight["specs"]["lora_b_w_q"][:3] == [None, None, "tensor"]  # [L, r, H, K]
     assert eight["specs"]["lora_a_w_proj"][:2] == [None, "tensor"]  # [L, F, r]
     assert eight["specs"]["lora_a_w_q"] == [None, "fsdp", None]  # [L, D, r]
+
+
+@pytest.mark.parametrize("edit", [{"targets": ["w_o", "w_o"]}, {"alpha": float("nan")}, {"targets": ["w_q"]},
+                                  {"rank": 10_000}, {"base_step": True}])
+def test_edited_lora_settings_are_one_line(tmp_path, lora_runs, edit):
+    """Settings a LoRA checkpoint's meta may carry after an edit or damage (a target twice would
+    add its update twice; a NaN alpha poisons every merged weight; a target the model lacks; a
+    rank above the matrix; a step that is not a number) are refused in one line."""
+    from gpt.checkpoint import load_model
+    out = tmp_path / "lora"
+    shutil.copytree(lora_runs[0] / "gpt2", out)
+    for step in ckpt.list_steps(out):
+        path = ckpt.checkpoint_dir(out) / str(step) / "meta" / "metadata"
+        meta = json.loads(path.read_text())
+        if "base_step" in edit:
+            meta["lora"]["base"]["step"] = edit["base_step"]
+        else:
+            meta["lora"].update(edit)
+        path.write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="metadata is damaged"):
+        load_model(out, "float32")
