@@ -8,7 +8,10 @@ so no traced code asks which backend it runs on, and tests pick a kernel by buil
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
 import os
 
 import jax
@@ -35,6 +38,8 @@ class Runtime:
 
 
 CPU_BF16_ENV = "GPT_CPU_BF16"  # 1/0 overrides the detection (the tests pin float32 with 0)
+KEEP_MEMORY_ENV = "GPT_KEEP_HOST_MEMORY"  # 0 leaves glibc's allocator as it is (for comparisons)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters (glibc malloc.h)
 
 
 def cpu_flags() -> set[str]:
@@ -56,6 +61,28 @@ def cpu_native_bf16() -> bool:
     if forced in ("0", "1"):
         return forced == "1"
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+@functools.cache
+def keep_host_memory() -> bool:
+    """Let glibc's malloc keep freed memory for reuse instead of unmapping it; True if applied.
+
+    XLA:CPU allocates an executable's temporary buffer (tens of MB for the default model's train
+    step, more for bigger ones) with malloc on every call. glibc serves blocks over 32 MB with a
+    fresh mmap and unmaps them on free, so every step page-faulted its whole working set in again:
+    the 4-layer default step took 1.7x as long as with the block reused, and a 3-layer model was
+    slower per layer than a 2-layer one (BENCHMARKS.md). With mmap off and the trim threshold at
+    1 GiB the heap keeps the block between calls. Once per process, before the first step; other
+    C libraries (musl, macOS) are left alone.
+    """
+    if os.environ.get(KEEP_MEMORY_ENV) == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # glibc only: mallopt's parameters below are its own
+    except (OSError, AttributeError):
+        return False
+    return all(libc.mallopt(p, v) for p, v in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 1 << 30)))
 
 
 def compute_dtype(choice: str, backend: str | None = None) -> jnp.dtype:
@@ -104,9 +131,12 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
             **override) -> Runtime:
     """The Runtime of model `cfg` run as `compute` (default: ComputeConfig()) on `backend` (default:
     JAX's default backend); `override` replaces resolved fields (tests: another kernel, a smaller
-    attention block, the GPU's layouts on CPU)."""
+    attention block, the GPU's layouts on CPU). On CPU it also tunes the host allocator once
+    (`keep_host_memory`), since every compiled step there runs out of malloc'ed memory."""
     c = compute or ComputeConfig()
     backend = backend or jax.default_backend()
+    if backend == "cpu":
+        keep_host_memory()
     dtype = compute_dtype(c.dtype, backend)
     rt = Runtime(dtype=dtype,
                  attention=training_attention(c.attention, dtype, cfg.head_dim, backend),
