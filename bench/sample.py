@@ -60,7 +60,7 @@ from flax import nnx  # noqa: E402
 from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import (PRESETS, ComputeConfig, ModelConfig, validate_compute,  # noqa: E402
                         validate_model)
-from gpt.model import GPT, num_params  # noqa: E402
+from gpt.model import GPT, for_decoding, num_params  # noqa: E402
 from gpt.runtime import resolve  # noqa: E402
 from bench.nocache import full_recompute_generate  # noqa: E402
 from gpt.sampling import SamplingSettings, decode, prefill  # noqa: E402
@@ -94,6 +94,7 @@ def timed(fn, reps: int):
 
 def bench_config(name: str, args) -> list[dict]:
     cfg, model = build_model(name, args.dtype)
+    model = for_decoding(model)  # as gpt.sampling.Sampler holds it
     gd, params = nnx.split(model)
     dtype = model.rt.dtype
     if args.weights == "compute":
@@ -262,6 +263,7 @@ def bench_speculative(args) -> dict:
         target_dir, draft_dir = train_pair(args.pair, args.pair_iters, root)
     target, _, tok = load_model(target_dir, args.dtype)
     draft = spec.load_draft(str(draft_dir), args.dtype, target, tok, str(target_dir), args.num_draft_tokens)
+    target, draft = for_decoding(target), for_decoding(draft)  # as the samplers hold them
     held = lambda m: hold_in(nnx.state(m), m.rt.dtype) if args.weights == "compute" else nnx.state(m)
     pt, pd = held(target), held(draft)
     B, N, K = args.spec_batch, args.spec_tokens, args.num_draft_tokens

@@ -17,6 +17,7 @@ decided once when the model is built; the kernels live in `gpt/ops/`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -348,8 +349,10 @@ class GPT(nnx.Module):
         """The blocks as a scan over the stacked parameters; each layer's cache slices are the
         scan's inputs and outputs (no stacked cache carried through every layer)."""
         cfg, rt = self.cfg, self.rt
-        graphdef, state = nnx.split(self.blocks)
         index = None if cache is None else cache.index
+        if isinstance(self.blocks, nnx.List):  # unstacked (`for_decoding`): one module per layer
+            return self._layer_loop(x_BTD, cache, positions_BT, mask_BTS, key)
+        graphdef, state = nnx.split(self.blocks)
 
         def body(x_BTD, xs):
             layer_state, layer, kv = xs
@@ -368,6 +371,43 @@ class GPT(nnx.Module):
                                 for c, new in zip((cache.k_LBSHK, cache.v_LBSHK), kv_L))
             cache = KVCache(k_LBSHK, v_LBSHK, cache.index + x_BTD.shape[1], cache.start_B)
         return x_BTD, cache
+
+
+    def _layer_loop(self, x_BTD, cache: KVCache | None, positions_BT, mask_BTS, key):
+        """`_layers` over unstacked blocks: each layer's weights are arrays of their own."""
+        cfg, rt = self.cfg, self.rt
+        index = None if cache is None else cache.index
+        new_kv = []
+        for layer, block in enumerate(self.blocks):
+            layer_key = None if key is None else jax.random.fold_in(key, layer)
+            kv = None if cache is None else (cache.k_LBSHK[layer], cache.v_LBSHK[layer])
+            x_BTD, kv = block(x_BTD, kv, positions_BT, mask_BTS, index, cfg, rt, layer_key)
+            new_kv.append(kv)
+        if cache is not None:
+            k_LBSHK, v_LBSHK = (write_cache(c, jnp.stack([kv[i] for kv in new_kv]), cache.index)
+                                for i, c in enumerate((cache.k_LBSHK, cache.v_LBSHK)))
+            cache = KVCache(k_LBSHK, v_LBSHK, cache.index + x_BTD.shape[1], cache.start_B)
+        return x_BTD, cache
+
+
+def for_decoding(model: GPT) -> GPT:
+    """The same model (sharing its arrays) set up for sampling: its blocks held as L modules with
+    arrays of their own, and no CPU layouts.
+
+    A layer of the stacked blocks is a slice of [L, ...] arrays, and XLA:CPU copies that slice out
+    before each matmul; and the CPU layouts (`gpt.ops.dense`, for the backward pass) transpose the
+    [V, D] head into a [D, V] copy per call. Batch-1 decoding only has to read every weight once
+    per token, and these copies made a GPT-2 token move the weights about three times (BENCHMARKS.md).
+    Here the layer slices are taken once, outside the decoding loop.
+    """
+    if isinstance(model.blocks, nnx.List):
+        return model
+    graphdef, state = nnx.split(model.blocks)
+    layers = [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(model.cfg.n_layer)]
+    out = nnx.merge(*nnx.split(model))  # a shallow twin: the other arrays are shared
+    out.blocks = nnx.List(layers)
+    out.rt = dataclasses.replace(out.rt, cpu_layouts=False)
+    return out
 
 
 # ----------------------------------------------------------------------------- sizes and FLOPs

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gpt.model import GPT, KVCache, init_cache
+from gpt.model import GPT, KVCache, for_decoding, init_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +167,7 @@ class Sampler:
     """Jit-compiled prefill and chunked decode for one model and one set of sampling settings."""
 
     def __init__(self, model: GPT, settings: SamplingSettings, chunk: int = 16):
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, self.params = nnx.split(for_decoding(model))
         self.settings = settings
         self.chunk = chunk
         self.cfg = model.cfg

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gpt.config import MAX_DRAFT_TOKENS
-from gpt.model import GPT, KVCache, init_cache
+from gpt.model import GPT, KVCache, for_decoding, init_cache
 from gpt.sampling import SamplingSettings, filter_logits, left_pad, rolls, sample_token
 
 
@@ -331,7 +331,8 @@ class SpeculativeSampler:
 
     def __init__(self, target: GPT, draft: GPT, settings: SamplingSettings, k: int, rounds: int = 4):
         check_pair(target, draft, k)
-        (gd_t, self.target_params), (gd_d, self.draft_params) = nnx.split(target), nnx.split(draft)
+        (gd_t, self.target_params), (gd_d, self.draft_params) = (nnx.split(for_decoding(m))
+                                                                  for m in (target, draft))
         self.settings, self.k, self.rounds = settings, k, rounds
         merge = lambda pt, pd: (nnx.merge(gd_t, pt), nnx.merge(gd_d, pd))
 

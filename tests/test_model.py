@@ -232,3 +232,23 @@ def test_modern_params_flops_and_bad_shapes():
         validate_model(tiny_model_config(n_head=4, n_kv_head=3))
     with pytest.raises(UserError, match="RoPE needs an even head dimension"):
         validate_model(tiny_model_config(n_embd=36, n_head=4, pos_embedding="rope"))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_for_decoding_is_the_same_model(name):
+    """`for_decoding` (per-layer modules, no CPU layouts) gives the stacked model's logits, with and
+    without a cache, and leaves the original untouched."""
+    cfg = tiny_model_config(**({} if name == "gpt2" else MODERN["llama"]))
+    model = tiny_gpt(cfg)
+    dec = M.for_decoding(model)
+    assert isinstance(dec.blocks, nnx.List) and len(dec.blocks) == cfg.n_layer
+    assert not dec.rt.cpu_layouts and not isinstance(model.blocks, nnx.List)
+    assert M.for_decoding(dec) is dec
+    x = tokens(2, 12, cfg.vocab_size)
+    np.testing.assert_allclose(dec(x)[0], model(x)[0], rtol=1e-5, atol=1e-5)
+    cache = M.init_cache(cfg, 2, 16, jnp.float32)
+    (la, ca), (lb, cb) = (m(x[:, :8], cache=cache) for m in (model, dec))
+    (la, ca), (lb, cb) = (m(x[:, 8:9], cache=c) for m, c in ((model, ca), (dec, cb)))
+    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cb.k_LBSHK, ca.k_LBSHK, rtol=1e-5, atol=1e-6)
+    assert int(cb.index) == int(ca.index) == 9
