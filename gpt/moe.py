@@ -53,8 +53,10 @@ from gpt.ops.dense import dense_reference
 
 # Where the tokens are while the experts compute, and where they live otherwise (gpt/sharding.py's
 # mesh axes; batch rows span data x fsdp x expert).
-EXPERT_LAYOUT = P(("data", "fsdp"), "expert", None, None)  # [B, E, C, D]
-TOKEN_LAYOUT = P(("data", "fsdp", "expert"), None, None, None)  # [B, E, C, D]
+ROWS = ("data", "fsdp", "expert")
+EXPERT_LAYOUT = P("expert", ("data", "fsdp"), None, None)  # [E, B, C, D]
+TOKEN_LAYOUT = P(ROWS, None, None, None)  # [B, E, C, D]
+ROW_LAYOUT = P(ROWS, None, None)  # [B, T, D]: whole rows, whole vectors (the gathers stay local)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,22 +146,23 @@ def combine(y_BECD: jax.Array, index_BTX: jax.Array, gates_BTX: jax.Array) -> ja
     return jnp.einsum("btxd,btx->btd", picked_BTXD.astype(jnp.float32), gates_BTX)
 
 
-def expert_mlp(x_BECD: jax.Array, p: dict, cfg: ModelConfig, dtype) -> jax.Array:
+def expert_mlp(x_EBCD: jax.Array, p: dict, cfg: ModelConfig, dtype) -> jax.Array:
     """Every expert's MLP on its slots, batched over E (the block's GELU or SwiGLU MLP, with an E
-    axis on each weight): matmuls in `dtype` with float32 accumulation."""
+    axis on each weight): matmuls in `dtype` with float32 accumulation. E leads, as the batch axis
+    of a batched matmul does (another order costs transposes, and on a mesh reshardings)."""
     mm = lambda x, w, spec: dense_reference(x, w, spec, dtype)  # noqa: E731
     if cfg.mlp == "swiglu":
-        gu_BEC2F = mm(x_BECD, p["w_fc"], "becd,edgf->becgf") + _bias(p.get("b_fc"))
-        h_BECF = jax.nn.silu(gu_BEC2F[..., 0, :]) * gu_BEC2F[..., 1, :]
+        gu_EBC2F = mm(x_EBCD, p["w_fc"], "ebcd,edgf->ebcgf") + _bias(p.get("b_fc"))
+        h_EBCF = jax.nn.silu(gu_EBC2F[..., 0, :]) * gu_EBC2F[..., 1, :]
     else:
-        h_BECF = jax.nn.gelu(mm(x_BECD, p["w_fc"], "becd,edf->becf") + _bias(p.get("b_fc")),
+        h_EBCF = jax.nn.gelu(mm(x_EBCD, p["w_fc"], "ebcd,edf->ebcf") + _bias(p.get("b_fc")),
                              approximate=cfg.activation == "gelu_tanh")
-    return mm(h_BECF, p["w_proj"], "becf,efd->becd") + _bias(p.get("b_proj"))
+    return mm(h_EBCF, p["w_proj"], "ebcf,efd->ebcd") + _bias(p.get("b_proj"))
 
 
 def _bias(b_E: jax.Array | None):
-    """An expert bias [E, ...] broadcast over [B, E, C, ...] (0 without biases)."""
-    return 0.0 if b_E is None else b_E[None, :, None]
+    """An expert bias [E, ...] broadcast over [E, B, C, ...] (0 without biases)."""
+    return 0.0 if b_E is None else b_E[:, None, None]
 
 
 # ----------------------------------------------------------------------------- losses and the layer
@@ -191,13 +194,16 @@ def moe_mlp(h_BTD: jax.Array, p: dict, cfg: ModelConfig, dtype, capacity_factor:
     w_router [D, E] and the experts' w_fc, b_fc, w_proj, b_proj with a leading E axis (biases may
     be None); `capacity_factor` 0: no token dropped; `mesh`: the training mesh (expert parallelism)."""
     E, k = cfg.n_expert, cfg.n_expert_per_token
+    h_BTD = constrain(h_BTD, mesh, ROW_LAYOUT)
     logits_BTE = router_logits(h_BTD, p["w_router"])
     gates_BTX, experts_BTX = top_k_gates(logits_BTE, k)
     C = capacity(h_BTD.shape[1], k, E, capacity_factor)
     slot_BTX, kept_BTX = assign_slots(experts_BTX, E, C)
     index_BTX = slot_index(experts_BTX, slot_BTX, kept_BTX, C, E)
-    x_BECD = constrain(dispatch(h_BTD.astype(dtype), index_BTX, E, C), mesh, EXPERT_LAYOUT)
-    y_BECD = constrain(expert_mlp(x_BECD, p, cfg, dtype).astype(dtype), mesh, TOKEN_LAYOUT)
+    x_EBCD = constrain(jnp.swapaxes(dispatch(h_BTD.astype(dtype), index_BTX, E, C), 0, 1), mesh, EXPERT_LAYOUT)
+    # Both ends constrained, so that the backward pass's cotangents make the same two trips.
+    y_EBCD = constrain(expert_mlp(x_EBCD, p, cfg, dtype).astype(dtype), mesh, EXPERT_LAYOUT)
+    y_BECD = constrain(jnp.swapaxes(y_EBCD, 0, 1), mesh, TOKEN_LAYOUT)
     aux, load_E = load_balancing_loss(jax.nn.softmax(logits_BTE, axis=-1), experts_BTX)
     stats = MoEStats(aux, z_loss(logits_BTE), 1.0 - jnp.mean(kept_BTX.astype(jnp.float32)), load_E)
     return combine(y_BECD, index_BTX, gates_BTX), stats
