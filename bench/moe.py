@@ -87,8 +87,8 @@ def one_run(name: str, flags: list[str], seed: int, common: list[str], out: Path
     m, t = setup.model_cfg, setup.train_cfg
     records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("kind") == "train"]
-    row = {"val_loss": summary["val_loss"], "step_ms": step_ms(train, t.batch_size * t.gradient_accumulation_steps
-                                                                * m.block_size),
+    tokens_per_step = t.batch_size * t.gradient_accumulation_steps * m.block_size
+    row = {"val_loss": summary["val_loss"], "step_ms": step_ms(train, tokens_per_step),
            "params": num_params(m), "active_params": num_params(m, active=True)}
     if m.n_expert:
         row.update(load_balance(train, m.n_expert))

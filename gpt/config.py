@@ -106,7 +106,7 @@ class TrainConfig:
     lora_dropout: float = 0.0  # dropout on the adapters' inputs
     # Mixture-of-experts training (the experts themselves are ModelConfig's n_expert...): what the
     # training forward pass and objective do; evaluation and sampling never drop tokens.
-    expert_capacity_factor: float = 1.25  # an expert's slots per sequence: factor * T * k / n_expert; 0: no limit
+    expert_capacity_factor: float = 1.25  # an expert's slots per sequence: factor * T * k / E; 0: no limit
     moe_aux_loss_coef: float = 0.01  # load-balancing loss (Switch Transformer; 1.0 when uniform)
     moe_z_loss_coef: float = 0.001  # router z-loss (ST-MoE): mean squared logsumexp of router logits
     seed: int = 1337
@@ -431,7 +431,8 @@ def _validate_moe(m: ModelConfig) -> None:
                         f"groups of moe_every blocks, the last of each a mixture of experts)")
 
 
-MOE_FLAGS = ("n_expert_per_token", "moe_every", "expert_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
+MOE_FLAGS = ("n_expert_per_token", "moe_every", "expert_capacity_factor", "moe_aux_loss_coef",
+             "moe_z_loss_coef")
 
 
 def check_moe_flags(m: ModelConfig, t: TrainConfig, explicit: set[str]) -> None:

@@ -399,7 +399,7 @@ class GPT(nnx.Module):
         through every layer). Returns x, the cache and the MoE layers' stacked routing figures."""
         cfg, rt = self.cfg, self.rt
         group = layer_group(cfg)
-        P, n_groups = len(group), cfg.n_layer // len(group)
+        per_group, n_groups = len(group), cfg.n_layer // len(group)
         stacks = {moe: nnx.split(blocks) for moe, blocks in ((False, self.blocks), (True, self.moe_blocks))
                   if blocks is not None}
         graphdefs = {moe: gd for moe, (gd, _) in stacks.items()}
@@ -409,25 +409,25 @@ class GPT(nnx.Module):
         index = None if cache is None else cache.index
 
         def body(x_BTD, xs):
-            states, group_index, kv_P = xs
+            states, group_index, kv_group = xs
             seen, new_kv, stats = {False: 0, True: 0}, [], None
             for j, moe in enumerate(group):
-                layer = group_index * P + j
+                layer = group_index * per_group + j
                 layer_key = None if key is None else jax.random.fold_in(key, layer)
                 block = nnx.merge(graphdefs[moe], jax.tree.map(lambda a: a[seen[moe]], states[moe]))
                 seen[moe] += 1
-                kv = None if kv_P is None else (kv_P[0][j], kv_P[1][j])
+                kv = None if kv_group is None else (kv_group[0][j], kv_group[1][j])
                 x_BTD, kv, s = block(x_BTD, kv, positions_BT, mask_BTS, index, cfg, rt, layer_key,
                                      capacity_factor)
                 new_kv.append(kv)
                 stats = s if moe else stats
-            kv_P = None if kv_P is None else tuple(jnp.stack(parts) for parts in zip(*new_kv))
-            return x_BTD, (kv_P, stats)
+            kv_group = None if kv_group is None else tuple(jnp.stack(parts) for parts in zip(*new_kv))
+            return x_BTD, (kv_group, stats)
 
         if rt.remat in REMAT_POLICIES:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[rt.remat])
         kv_groups = None if cache is None else \
-            tuple(c.reshape(n_groups, P, *c.shape[1:]) for c in (cache.k_LBSHK, cache.v_LBSHK))
+            tuple(c.reshape(n_groups, per_group, *c.shape[1:]) for c in (cache.k_LBSHK, cache.v_LBSHK))
         x_BTD, (kv_groups, stats) = jax.lax.scan(body, x_BTD, (states, jnp.arange(n_groups), kv_groups),
                                                  unroll=1 if rt.scan_layers else n_groups)
         if cache is not None:  # this call's keys/values [L, B, T, G, K] into their slots

@@ -200,7 +200,8 @@ def moe_mlp(h_BTD: jax.Array, p: dict, cfg: ModelConfig, dtype, capacity_factor:
     C = capacity(h_BTD.shape[1], k, E, capacity_factor)
     slot_BTX, kept_BTX = assign_slots(experts_BTX, E, C)
     index_BTX = slot_index(experts_BTX, slot_BTX, kept_BTX, C, E)
-    x_EBCD = constrain(jnp.swapaxes(dispatch(h_BTD.astype(dtype), index_BTX, E, C), 0, 1), mesh, EXPERT_LAYOUT)
+    x_BECD = dispatch(h_BTD.astype(dtype), index_BTX, E, C)
+    x_EBCD = constrain(jnp.swapaxes(x_BECD, 0, 1), mesh, EXPERT_LAYOUT)
     # Both ends constrained, so that the backward pass's cotangents make the same two trips.
     y_EBCD = constrain(expert_mlp(x_EBCD, p, cfg, dtype).astype(dtype), mesh, EXPERT_LAYOUT)
     y_BECD = constrain(jnp.swapaxes(y_EBCD, 0, 1), mesh, TOKEN_LAYOUT)

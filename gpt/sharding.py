@@ -144,7 +144,8 @@ def like_params(tree: Any, params_shardings: Any, mesh: Mesh) -> Any:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Rows over data x fsdp x expert; with gradient accumulation the leading micro-batch axis is unsharded."""
+    """Rows over data x fsdp x expert; with gradient accumulation the leading micro-batch axis is
+    unsharded."""
     lead = [None] * (ndim - 2)
     return NamedSharding(mesh, P(*lead, BATCH_AXES, None))
 

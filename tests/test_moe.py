@@ -326,7 +326,8 @@ def grads(mesh):
     if mesh is None:
         return f(params, x, y), ""
     shard = sharding.param_shardings(nnx.state(model), mesh)
-    args = (jax.device_put(params, shard), *(jax.device_put(a, sharding.batch_sharding(mesh)) for a in (x, y)))
+    rows = sharding.batch_sharding(mesh)
+    args = (jax.device_put(params, shard), jax.device_put(x, rows), jax.device_put(y, rows))
     compiled = f.lower(*args).compile()
     spec = str(shard["moe_blocks"]["w_fc"].spec)
     return compiled(*args), spec + " all-to-all" * ("all-to-all" in compiled.as_text())
@@ -350,7 +351,8 @@ def test_expert_axis_shards_experts_and_batch():
     from gpt import sharding
     cfg = tiny_model_config(**ARCHS["swiglu-every2"])
     mesh = AbstractMesh((2, 1, 2, 2), sharding.AXES)
-    specs = jax.tree.map(lambda s: tuple(s.spec), sharding.param_shardings(nnx.state(M.abstract_model(cfg)), mesh))
+    shardings = sharding.param_shardings(nnx.state(M.abstract_model(cfg)), mesh)
+    specs = jax.tree.map(lambda s: tuple(s.spec), shardings)
     assert specs["moe_blocks"]["w_fc"] == (None, "expert", None, None, "tensor")
     assert specs["moe_blocks"]["w_proj"] == (None, "expert", "tensor", None)
     assert specs["moe_blocks"]["w_router"] == (None, None, None)
@@ -359,7 +361,8 @@ def test_expert_axis_shards_experts_and_batch():
     assert sharding.batch_degree(mesh) == 4 and sharding.BATCH_AXES == ("data", "fsdp", "expert")
     sharding.check_divisibility(cfg, mesh, 4)
     with pytest.raises(UserError, match=r"--n_expert=6 is not divisible by the mesh's expert axis \(4\)"):
-        sharding.check_divisibility(tiny_model_config(n_expert=6), AbstractMesh((2, 1, 4, 1), sharding.AXES), 8)
+        sharding.check_divisibility(tiny_model_config(n_expert=6), AbstractMesh((2, 1, 4, 1), sharding.AXES),
+                                    8)
     with pytest.raises(UserError, match="--batch_size=2 is not divisible by the data-parallel degree 4"):
         sharding.check_divisibility(cfg, mesh, 2)
 
