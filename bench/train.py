@@ -38,7 +38,7 @@ from gpt.config import ComputeConfig, ModelConfig, TrainConfig, build_train, val
 from gpt.errors import UserError  # noqa: E402
 from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
 from gpt.runtime import cpu_native_bf16, dtype_note, resolve  # noqa: E402
-from gpt.train import make_optimizer, make_train_step  # noqa: E402
+from gpt.train import make_optimizer, make_train_step, moe_training  # noqa: E402
 
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
 BENCH_KEYS = {"steps": int, "warmup": int, "dtypes": str, "ceiling_n": int, "ceiling_reps": int}
@@ -84,7 +84,8 @@ class Variant:
                                                                      runtime=rt))))()
         tx = make_optimizer(t)
         self.opt_state = jax.jit(tx.init)(self.params)
-        step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=rt.dropout > 0),
+        step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=rt.dropout > 0,
+                                          moe=moe_training(t)),
                           donate_argnums=(0, 1))
         rng = np.random.default_rng(t.seed)
         # Alternate two batches so no step sees a cached input.

@@ -44,6 +44,11 @@ class ModelConfig:
     activation: str = "gelu_tanh"  # gelu_tanh (GPT-2's "gelu_new") | gelu (exact, nanoGPT's nn.GELU)
     qk_norm: bool = False  # RMSNorm of queries and keys per head (Qwen3)
     tie_embeddings: bool = True  # the LM head is the token embedding
+    # Mixture of experts (gpt/moe.py): the MLP of every moe_every-th block is a top-k router over
+    # n_expert expert MLPs (GELU or SwiGLU, ffn wide each); 0 experts: a dense model
+    n_expert: int = 0
+    n_expert_per_token: int = 2  # k of the top-k routing
+    moe_every: int = 1  # 1: every block; 2: blocks 2, 4, ... (1-based); must divide n_layer
 
     @property
     def padded_vocab_size(self) -> int:
@@ -56,6 +61,13 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The (0-based) layers whose MLP is a mixture of experts: the last of every moe_every."""
+        if not self.n_expert:
+            return ()
+        return tuple(range(self.moe_every - 1, self.n_layer, self.moe_every))
 
     @property
     def ffn(self) -> int:
@@ -92,6 +104,11 @@ class TrainConfig:
     lora_alpha: float = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
     lora_targets: list[str] = field(default_factory=lambda: ["attn", "mlp"], metadata={"sep": ","})
     lora_dropout: float = 0.0  # dropout on the adapters' inputs
+    # Mixture-of-experts training (the experts themselves are ModelConfig's n_expert...): what the
+    # training forward pass and objective do; evaluation and sampling never drop tokens.
+    expert_capacity_factor: float = 1.25  # an expert's slots per sequence: factor * T * k / E; 0: no limit
+    moe_aux_loss_coef: float = 0.01  # load-balancing loss (Switch Transformer; 1.0 when uniform)
+    moe_z_loss_coef: float = 0.001  # router z-loss (ST-MoE): mean squared logsumexp of router logits
     seed: int = 1337
     # optimisation
     batch_size: int = 12
@@ -392,12 +409,37 @@ def validate_model(m: ModelConfig) -> ModelConfig:
                         f"key/value head serves a whole group of query heads)")
     for name in ("pos_embedding", "activation", "norm", "mlp"):
         _check_choice(m, name)
+    _validate_moe(m)
     if m.pos_embedding == "sinusoidal" and m.n_embd % 2:
         raise UserError(f"--n_embd={m.n_embd} must be even for sinusoidal position embeddings")
     if m.pos_embedding == "rope" and m.head_dim % 2:
         raise UserError(f"RoPE needs an even head dimension, got {m.head_dim} (n_embd / n_head); "
                         f"change --n_embd or --n_head")
     return m
+
+
+def _validate_moe(m: ModelConfig) -> None:
+    _check_positive(m, "n_expert", allow_zero=True)
+    _check_positive(m, "n_expert_per_token", "moe_every")
+    if not m.n_expert:
+        return
+    if m.n_expert_per_token > m.n_expert:
+        raise UserError(f"--n_expert_per_token={m.n_expert_per_token} must be at most --n_expert={m.n_expert} "
+                        f"(each token goes to that many different experts)")
+    if m.n_layer % m.moe_every:
+        raise UserError(f"--moe_every={m.moe_every} must divide --n_layer={m.n_layer} (the layers repeat in "
+                        f"groups of moe_every blocks, the last of each a mixture of experts)")
+
+
+MOE_FLAGS = ("n_expert_per_token", "moe_every", "expert_capacity_factor", "moe_aux_loss_coef",
+             "moe_z_loss_coef")
+
+
+def check_moe_flags(m: ModelConfig, t: TrainConfig, explicit: set[str]) -> None:
+    """A mixture-of-experts setting on a dense model from scratch would be silently ignored."""
+    given = sorted(k for k in MOE_FLAGS if k in explicit)
+    if given and not m.n_expert and t.init_from == "scratch":
+        raise UserError(f"--{given[0]} needs --n_expert=N (a mixture-of-experts model)")
 
 
 def validate_compute(c: ComputeConfig) -> ComputeConfig:
@@ -426,6 +468,7 @@ def validate_train(t: TrainConfig) -> TrainConfig:
         raise UserError("--out_dir must not be empty")
     _check_seed(t.seed)
     _validate_lora(t)
+    _check_positive(t, "expert_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", allow_zero=True)
     return t
 
 
@@ -499,6 +542,7 @@ def build_train(argv: Sequence[str], default_preset: str | None = "default"
     (m, c, t), explicit = build(TRAIN_CLASSES, argv, default_preset)
     m, c, t = validate_model(m), validate_compute(c), validate_train(t)
     check_lora_flags(t, explicit)
+    check_moe_flags(m, t, explicit)
     return m, c, t, explicit
 
 

@@ -312,6 +312,12 @@ def check_gpt2_compatible(cfg: ModelConfig) -> None:
                         f"(rope + rmsnorm + swiglu), so it cannot be exported to Hugging Face")
 
 
+def check_not_moe(cfg: ModelConfig) -> None:
+    if cfg.n_expert:
+        raise UserError(f"this model has mixture-of-experts layers (n_expert={cfg.n_expert}); exporting them "
+                        f"to Hugging Face is not supported")
+
+
 def is_llama_family(cfg: ModelConfig) -> bool:
     return cfg.pos_embedding == "rope" or cfg.norm == "rmsnorm" or cfg.mlp == "swiglu"
 
@@ -366,6 +372,7 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
     """
     from safetensors.numpy import save_file
 
+    check_not_moe(cfg)
     if is_llama_family(cfg):
         llama.check_compatible(cfg)
         tensors = llama.hf_tensors(params, cfg)
@@ -487,6 +494,7 @@ def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool
     except (KeyError, TypeError) as e:
         raise UserError(f"the checkpoint in {out_dir} (step {step}) has no model config ({e}); "
                         f"it is damaged") from None
+    check_not_moe(cfg)
     if is_llama_family(cfg):
         llama.check_compatible(cfg)
     else:

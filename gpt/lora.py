@@ -206,6 +206,9 @@ def resolve(t: TrainConfig, m: ModelConfig) -> LoRAConfig | None:
     the weights this architecture has, and every adapted matrix at least as large as the rank."""
     if not t.lora_rank:
         return None
+    if m.n_expert:
+        raise UserError(f"--lora_rank: LoRA fine-tuning of a mixture-of-experts model (n_expert={m.n_expert}) "
+                        f"is not supported; fine-tune all its weights (leave out --lora_rank)")
     shapes = _block_shapes(m)
     wanted: set[str] = set()
     for name in t.lora_targets:

@@ -155,9 +155,8 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
             kind = record.get("kind", "eval")
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step" and v is not None:
-                    self.writer.add_scalar(f"{kind}/{k}", v, record["step"])
+            for tag, v in _scalars(record, kind):
+                self.writer.add_scalar(tag, v, record["step"])
 
     def records(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -196,6 +195,22 @@ class MetricsLog:
             self.writer.close()
 
 
+def _scalars(record: dict[str, Any], prefix: str):
+    """(TensorBoard tag, number) of a record's numbers, nested dicts and lists included
+    (moe_load/layer1/0 is expert 0's load in layer 1); the step is the x axis, not a scalar."""
+    for k, v in record.items():
+        if k == "step" or v is None or isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            yield f"{prefix}/{k}", v
+        elif isinstance(v, (dict, list)):
+            yield from _scalars(dict(enumerate(v)) if isinstance(v, list) else v, f"{prefix}/{k}")
+
+
 def to_host(tree: Any) -> Any:
-    """Device scalars to Python floats (the only place training reads values back)."""
-    return jax.tree.map(lambda x: float(np.asarray(x)), tree)
+    """Device scalars to Python floats, arrays to (nested) lists of them (the only place training
+    reads values back)."""
+    def host(x):
+        a = np.asarray(x)
+        return a.tolist() if a.ndim else float(a)
+    return jax.tree.map(host, tree)

@@ -10,6 +10,9 @@ Two choices shape this file:
 - The per-layer parameters are stacked along a leading L axis and the layer loop is a `lax.scan`
   (fully unrolled unless `scan_layers`). One parameter layout serves both the fast-compile scanned
   model and the unrolled one, checkpoints move between them, and sharding has one rule per weight.
+  With mixture-of-experts layers (gpt/moe.py) the blocks differ in structure, so there are two
+  stacks, `blocks` (dense MLPs) and `moe_blocks` (experts), and the scan runs over groups of
+  `moe_every` layers: moe_every - 1 dense blocks, then one MoE block.
 - Everything stateful is explicit: dropout takes a key argument and the KV cache is a pytree that goes
   in and comes out. The model holds parameters only, so `nnx.split` gives a pure pytree of arrays.
 How each piece is computed on this machine (kernels, dtype, layouts) is `gpt.runtime`'s business,
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gpt import lora as lora_lib
+from gpt import moe as moe_lib
 from gpt import runtime as runtime_lib
 from gpt.config import ModelConfig
 from gpt.ops.attention import attention
@@ -189,10 +193,12 @@ class Block(nnx.Module):
     Multi-head attention (n_kv_head == n_head, GPT-2 included) keeps q, k and v in one fused
     projection w_qkv; grouped-query attention has w_q and a smaller w_kv. The gated (SwiGLU) MLP
     fuses gate and up projections in w_fc [D, 2, F]. With `lora`, the targeted weights also get
-    LoRA adapters (gpt/lora.py), applied in `linear`.
+    LoRA adapters (gpt/lora.py), applied in `linear`. With `moe`, the MLP is a mixture of experts
+    (gpt/moe.py): a router w_router [D, E] and the MLP's weights with a leading expert axis E.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None,
+                 moe: bool = False):
         D, H, G, K, F = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.ffn
         proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
         bias = lambda on, shape, axes: _param(jnp.zeros(shape), axes) if on else None
@@ -212,14 +218,18 @@ class Block(nnx.Module):
         self.w_o = _normal(rngs.params(), (H, K, D), proj_std, ("heads", None, "embed"))
         self.b_o = bias(cfg.bias, (D,), ("embed",))
         self.ln2_scale, self.ln2_bias, self.ln2_alpha = _norm_params(cfg)
+        # A mixture of experts (gpt/moe.py): a router, and the MLP's weights once per expert.
+        E, ex = ((cfg.n_expert,), ("expert",)) if moe else ((), ())
+        self.moe = moe
+        self.w_router = _normal(rngs.params(), (D, cfg.n_expert), 0.02, ("embed", None)) if moe else None
         if cfg.mlp == "swiglu":
-            self.w_fc = _normal(rngs.params(), (D, 2, F), 0.02, ("embed", None, "mlp"))
-            self.b_fc = bias(cfg.bias, (2, F), (None, "mlp"))
+            self.w_fc = _normal(rngs.params(), (*E, D, 2, F), 0.02, (*ex, "embed", None, "mlp"))
+            self.b_fc = bias(cfg.bias, (*E, 2, F), (*ex, None, "mlp"))
         else:
-            self.w_fc = _normal(rngs.params(), (D, F), 0.02, ("embed", "mlp"))
-            self.b_fc = bias(cfg.bias, (F,), ("mlp",))
-        self.w_proj = _normal(rngs.params(), (F, D), proj_std, ("mlp", "embed"))
-        self.b_proj = bias(cfg.bias, (D,), ("embed",))
+            self.w_fc = _normal(rngs.params(), (*E, D, F), 0.02, (*ex, "embed", "mlp"))
+            self.b_fc = bias(cfg.bias, (*E, F), (*ex, "mlp"))
+        self.w_proj = _normal(rngs.params(), (*E, F, D), proj_std, (*ex, "mlp", "embed"))
+        self.b_proj = bias(cfg.bias, (*E, D), (*ex, "embed"))
         self.lora = lora
         if lora is not None:  # drawn after the base weights, which stay those of the plain model
             lora_lib.add_adapters(self, lora, rngs)
@@ -260,11 +270,20 @@ class Block(nnx.Module):
                                 approximate=cfg.activation == "gelu_tanh")
         return self.linear("w_proj", h_BTF, "btf,fd->btd", mm, key) + _bias(self.b_proj)
 
+    def experts(self, h_BTD, cfg: ModelConfig, rt: Runtime, capacity_factor: float
+                ) -> tuple[jax.Array, moe_lib.MoEStats]:
+        """The mixture-of-experts MLP (gpt/moe.py) and its routing figures."""
+        names = ("w_router", "w_fc", "b_fc", "w_proj", "b_proj")
+        p = {n: _value(getattr(self, n)) for n in names}
+        return moe_lib.moe_mlp(h_BTD, p, cfg, rt.dtype, capacity_factor, rt.mesh)
+
     def __call__(self, x_BTD, kv, positions_BT, mask_BTS, cache_index, cfg: ModelConfig, rt: Runtime,
-                 key):
-        """`kv`: this layer's cache (k, v) [B, S, G, K] or None; returns x and this call's new
+                 key, capacity_factor: float = 0.0):
+        """`kv`: this layer's cache (k, v) [B, S, G, K] or None; returns x, this call's new
         (k, v) [B, T, G, K] in the cache's dtype, which the caller writes into the cache once for
-        all layers (returning the whole updated layer cache would copy it every decode step)."""
+        all layers (returning the whole updated layer cache would copy it every decode step), and
+        a MoE block's routing figures (None for a dense block). `capacity_factor`: a MoE block's
+        capacity (gpt/moe.py; 0: no token dropped)."""
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
         lora_key = None if key is None else jax.random.fold_in(key, 3)  # the adapters' dropout
         mm = lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp)
@@ -286,16 +305,33 @@ class Block(nnx.Module):
         x_BTD = x_BTD + dropout(attn_BTD, rt.dropout, keys[1])
 
         h_BTD = normalize(x_BTD, _norm(self.ln2_scale, self.ln2_bias, self.ln2_alpha), cfg)
-        return x_BTD + dropout(self.mlp(h_BTD, cfg, mm, lora_key), rt.dropout, keys[2]), kv
+        if self.moe:
+            mlp_BTD, stats = self.experts(h_BTD, cfg, rt, capacity_factor)
+        else:
+            mlp_BTD, stats = self.mlp(h_BTD, cfg, mm, lora_key), None
+        return x_BTD + dropout(mlp_BTD, rt.dropout, keys[2]), kv, stats
 
 
-def _stack_blocks(cfg: ModelConfig, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None) -> Block:
-    """L independently initialised blocks as one Block whose arrays have a leading "layers" axis."""
-    @nnx.split_rngs(splits=cfg.n_layer)
+def _stack_blocks(cfg: ModelConfig, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None, *,
+                  n: int | None = None, moe: bool = False) -> Block | None:
+    """`n` (default n_layer) independently initialised blocks as one Block whose arrays have a
+    leading "layers" axis (None if n is 0)."""
+    n = cfg.n_layer if n is None else n
+    if not n:
+        return None
+
+    @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=rngs, lora=lora)
+        return Block(cfg, rngs=rngs, lora=lora, moe=moe)
     return make(rngs)
+
+
+def layer_group(cfg: ModelConfig) -> tuple[bool, ...]:
+    """Whether each block of the repeating group of layers is a MoE block: (False,) for a dense
+    model, (True,) with moe_every=1, (False, True) with moe_every=2, ... (the layer scan runs over
+    n_layer / len(group) groups)."""
+    return (False,) * (cfg.moe_every - 1) + (True,) if cfg.n_expert else (False,)
 
 
 REMAT_POLICIES = {"block": jax.checkpoint_policies.nothing_saveable,
@@ -312,7 +348,9 @@ class GPT(nnx.Module):
         self.wte = _normal(rngs.params(), (cfg.padded_vocab_size, D), 0.02, ("vocab", "embed"))
         self.wpe = _normal(rngs.params(), (cfg.block_size, D), 0.02, (None, "embed")) \
             if cfg.pos_embedding == "learned" else None
-        self.blocks = _stack_blocks(cfg, rngs, lora)
+        n_moe = len(cfg.moe_layers)
+        self.blocks = _stack_blocks(cfg, rngs, lora, n=cfg.n_layer - n_moe)  # dense MLPs
+        self.moe_blocks = _stack_blocks(cfg, rngs, lora, n=n_moe, moe=True)  # mixtures of experts
         self.lnf_scale, self.lnf_bias, self.lnf_alpha = _norm_params(cfg)
         self.w_head = None if cfg.tie_embeddings else \
             _normal(rngs.params(), (cfg.padded_vocab_size, D), 0.02, ("vocab", "embed"))
@@ -322,8 +360,18 @@ class GPT(nnx.Module):
         """Logits [B, T, V_padded] in float32 (padded entries are -inf), and the updated cache.
 
         With a cache, the tokens are written after the `cache.index` slots already filled and attend
-        to those slots; without one, attention is causal over `idx_BT` alone.
+        to those slots; without one, attention is causal over `idx_BT` alone. MoE layers drop no
+        token (`forward` takes a capacity factor, for training).
         """
+        logits_BTV, cache, _ = self.forward(idx_BT, cache=cache, dropout_key=dropout_key)
+        return logits_BTV, cache
+
+    def forward(self, idx_BT: jax.Array, *, cache: KVCache | None = None,
+                dropout_key: jax.Array | None = None, capacity_factor: float = 0.0
+                ) -> tuple[jax.Array, KVCache | None, moe_lib.MoEStats | None]:
+        """`__call__`, plus the MoE layers' routing figures (each with a leading axis over the MoE
+        layers; None for a dense model). `capacity_factor`: the experts' capacity (gpt/moe.py); 0,
+        the default, drops no token."""
         cfg = self.cfg
         B, T = idx_BT.shape
         if cache is not None and T > cache.k_LBSHK.shape[2]:
@@ -337,57 +385,81 @@ class GPT(nnx.Module):
             x_BTD = x_BTD + sinusoidal(positions_BT, cfg.n_embd)  # rope: inside attention
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         x_BTD = dropout(x_BTD, self.rt.dropout, keys[0])
-        x_BTD, cache = self._layers(x_BTD, cache, positions_BT, mask_BTS, keys[1])
+        x_BTD, cache, stats = self._layers(x_BTD, cache, positions_BT, mask_BTS, keys[1], capacity_factor)
         x_BTD = normalize(x_BTD, _norm(self.lnf_scale, self.lnf_bias, self.lnf_alpha), cfg)
         rt = self.rt
         head = self.wte if self.w_head is None else self.w_head
         logits_BTV = dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, rt.cpu_layouts, rt.dense_vjp)
         valid_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
-        return jnp.where(valid_V, logits_BTV, -jnp.inf), cache
+        return jnp.where(valid_V, logits_BTV, -jnp.inf), cache, stats
 
-    def _layers(self, x_BTD, cache: KVCache | None, positions_BT, mask_BTS, key):
-        """The blocks as a scan over the stacked parameters; each layer's cache slices are the
-        scan's inputs and outputs (no stacked cache carried through every layer)."""
+    def _layers(self, x_BTD, cache: KVCache | None, positions_BT, mask_BTS, key, capacity_factor: float):
+        """The blocks as a scan over groups of layers (`layer_group`: one block for a dense model,
+        moe_every - 1 dense blocks and a MoE block otherwise), each group's slices of the stacked
+        parameters and of the cache as the scan's inputs and outputs (no stacked cache carried
+        through every layer). Returns x, the cache and the MoE layers' stacked routing figures."""
         cfg, rt = self.cfg, self.rt
         index = None if cache is None else cache.index
         if isinstance(self.blocks, nnx.List):  # unstacked (`for_decoding`): one module per layer
-            return self._layer_loop(x_BTD, cache, positions_BT, mask_BTS, key)
-        graphdef, state = nnx.split(self.blocks)
+            return self._layer_loop(x_BTD, cache, positions_BT, mask_BTS, key, capacity_factor)
+        group = layer_group(cfg)
+        per_group, n_groups = len(group), cfg.n_layer // len(group)
+        stacks = {moe: nnx.split(blocks) for moe, blocks in ((False, self.blocks), (True, self.moe_blocks))
+                  if blocks is not None}
+        graphdefs = {moe: gd for moe, (gd, _) in stacks.items()}
+        # [n, ...] -> [groups, n / groups, ...]: each group's blocks of either kind.
+        states = {moe: jax.tree.map(lambda a: a.reshape(n_groups, -1, *a.shape[1:]), st)
+                  for moe, (_, st) in stacks.items()}
 
         def body(x_BTD, xs):
-            layer_state, layer, kv = xs
-            layer_key = None if key is None else jax.random.fold_in(key, layer)
-            block = nnx.merge(graphdef, layer_state)
-            return block(x_BTD, kv, positions_BT, mask_BTS, index, cfg, rt, layer_key)
+            states, group_index, kv_group = xs
+            seen, new_kv, stats = {False: 0, True: 0}, [], None
+            for j, moe in enumerate(group):
+                layer = group_index * per_group + j
+                layer_key = None if key is None else jax.random.fold_in(key, layer)
+                block = nnx.merge(graphdefs[moe], jax.tree.map(lambda a: a[seen[moe]], states[moe]))
+                seen[moe] += 1
+                kv = None if kv_group is None else (kv_group[0][j], kv_group[1][j])
+                x_BTD, kv, s = block(x_BTD, kv, positions_BT, mask_BTS, index, cfg, rt, layer_key,
+                                     capacity_factor)
+                new_kv.append(kv)
+                stats = s if moe else stats
+            kv_group = None if kv_group is None else tuple(jnp.stack(parts) for parts in zip(*new_kv))
+            return x_BTD, (kv_group, stats)
 
         if rt.remat in REMAT_POLICIES:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[rt.remat])
-        kv_L = None if cache is None else (cache.k_LBSHK, cache.v_LBSHK)
-        L = cfg.n_layer
-        x_BTD, kv_L = jax.lax.scan(body, x_BTD, (state, jnp.arange(L), kv_L),
-                                   unroll=1 if rt.scan_layers else L)
+        kv_groups = None if cache is None else \
+            tuple(c.reshape(n_groups, per_group, *c.shape[1:]) for c in (cache.k_LBSHK, cache.v_LBSHK))
+        x_BTD, (kv_groups, stats) = jax.lax.scan(body, x_BTD, (states, jnp.arange(n_groups), kv_groups),
+                                                 unroll=1 if rt.scan_layers else n_groups)
         if cache is not None:  # this call's keys/values [L, B, T, G, K] into their slots
+            kv_L = (new.reshape(cfg.n_layer, *new.shape[2:]) for new in kv_groups)
             k_LBSHK, v_LBSHK = (write_cache(c, new, cache.index)
                                 for c, new in zip((cache.k_LBSHK, cache.v_LBSHK), kv_L))
             cache = KVCache(k_LBSHK, v_LBSHK, cache.index + x_BTD.shape[1], cache.start_B)
-        return x_BTD, cache
+        return x_BTD, cache, stats
 
 
-    def _layer_loop(self, x_BTD, cache: KVCache | None, positions_BT, mask_BTS, key):
-        """`_layers` over unstacked blocks: each layer's weights are arrays of their own."""
+    def _layer_loop(self, x_BTD, cache: KVCache | None, positions_BT, mask_BTS, key,
+                    capacity_factor: float):
+        """`_layers` over unstacked blocks (`for_decoding`): each layer's weights are arrays of
+        their own. Returns x, the cache and the MoE layers' stacked routing figures."""
         cfg, rt = self.cfg, self.rt
         index = None if cache is None else cache.index
-        new_kv = []
+        new_kv, stats = [], []
         for layer, block in enumerate(self.blocks):
             layer_key = None if key is None else jax.random.fold_in(key, layer)
             kv = None if cache is None else (cache.k_LBSHK[layer], cache.v_LBSHK[layer])
-            x_BTD, kv = block(x_BTD, kv, positions_BT, mask_BTS, index, cfg, rt, layer_key)
+            x_BTD, kv, s = block(x_BTD, kv, positions_BT, mask_BTS, index, cfg, rt, layer_key,
+                                 capacity_factor)
             new_kv.append(kv)
+            stats += [s] if s is not None else []
         if cache is not None:
             k_LBSHK, v_LBSHK = (write_cache(c, jnp.stack([kv[i] for kv in new_kv]), cache.index)
                                 for i, c in enumerate((cache.k_LBSHK, cache.v_LBSHK)))
             cache = KVCache(k_LBSHK, v_LBSHK, cache.index + x_BTD.shape[1], cache.start_B)
-        return x_BTD, cache
+        return x_BTD, cache, (jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None)
 
 
 def for_decoding(model: GPT) -> GPT:
@@ -402,10 +474,17 @@ def for_decoding(model: GPT) -> GPT:
     """
     if isinstance(model.blocks, nnx.List):
         return model
-    graphdef, state = nnx.split(model.blocks)
-    layers = [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(model.cfg.n_layer)]
+    group = layer_group(model.cfg)
+    stacks = {moe: nnx.split(b) for moe, b in ((False, model.blocks), (True, model.moe_blocks))
+              if b is not None}
+    taken, layers = {False: 0, True: 0}, []
+    for layer in range(model.cfg.n_layer):  # layer l is the next unused block of its kind
+        moe = group[layer % len(group)]
+        graphdef, state = stacks[moe]
+        layers.append(nnx.merge(graphdef, jax.tree.map(lambda a, i=taken[moe]: a[i], state)))
+        taken[moe] += 1
     out = nnx.merge(*nnx.split(model))  # a shallow twin: the other arrays are shared
-    out.blocks = nnx.List(layers)
+    out.blocks, out.moe_blocks = nnx.List(layers), None
     out.rt = dataclasses.replace(out.rt, cpu_layouts=False)
     return out
 
@@ -413,15 +492,21 @@ def for_decoding(model: GPT) -> GPT:
 # ----------------------------------------------------------------------------- sizes and FLOPs
 
 
-def num_params(cfg: ModelConfig, *, include_position: bool = True) -> int:
-    """Parameter count without vocabulary padding (what transformers reports)."""
+def num_params(cfg: ModelConfig, *, include_position: bool = True, active: bool = False) -> int:
+    """Parameter count without vocabulary padding (what transformers reports). `active`: the
+    parameters one token uses: a MoE layer counts its router and n_expert_per_token experts, not
+    all n_expert (what FLOPs and MFU are computed on)."""
     D, L, H, G, K, F = cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.ffn
     norm = D * (1 + (cfg.bias and cfg.norm != "rmsnorm")) + (cfg.norm == "dyt")
     qkv_b = (cfg.bias or cfg.qkv_bias) * (H + 2 * G) * K
     attn = D * (H + 2 * G) * K + qkv_b + H * K * D + cfg.bias * D + 2 * K * cfg.qk_norm
     gates = 2 if cfg.mlp == "swiglu" else 1
     mlp = gates * (D * F + cfg.bias * F) + F * D + cfg.bias * D
-    total = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2) + L * (2 * norm + attn + mlp) + norm
+    n_moe = len(cfg.moe_layers)
+    experts = cfg.n_expert_per_token if active else cfg.n_expert
+    moe_mlp = D * cfg.n_expert + experts * mlp  # router + experts
+    total = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2) + L * (2 * norm + attn) + norm \
+        + (L - n_moe) * mlp + n_moe * moe_mlp
     if include_position and cfg.pos_embedding == "learned":
         total += cfg.block_size * D
     return int(total)
@@ -432,10 +517,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
 
     N counts the parameters that take part in matmuls: no position embeddings, no vocabulary
     padding, and the token embedding once, for the LM head (nanoGPT's convention; an untied model's
-    input embedding is a lookup). Padding is wasted work, not model work.
+    input embedding is a lookup). Padding is wasted work, not model work. In a mixture of experts,
+    N counts the active parameters only (the router and the n_expert_per_token experts a token
+    uses): slots an expert leaves empty below its capacity, and dropped tokens, are not model work
+    either (the convention of Switch Transformer and MaxText).
     """
     T = seq_len or cfg.block_size
-    n = num_params(cfg, include_position=False) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.n_embd)
+    n = num_params(cfg, include_position=False, active=True) - \
+        (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.n_embd)
     return 6 * n + 12 * cfg.n_layer * T * cfg.n_head * cfg.head_dim
 
 

@@ -13,6 +13,7 @@ import ctypes.util
 import dataclasses
 import functools
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ class Runtime:
     scan_layers: bool = False  # rolled layer loop (else unrolled)
     attention_block: int = ATTENTION_BLOCK  # query rows per block of the blocked kernel
     dense_vjp: bool = True  # dense layers with the hand-written backward (False: plain autodiff)
+    mesh: Any = None  # the training mesh: MoE layers lay their dispatched tokens out on its expert axis
 
 
 CPU_BF16_ENV = "GPT_CPU_BF16"  # 1/0 overrides the detection (the tests pin float32 with 0)

@@ -1,10 +1,14 @@
-"""Device mesh, parameter partitioning and global batches (data parallel, FSDP, tensor parallel).
+"""Device mesh, parameter partitioning and global batches (data parallel, FSDP, expert and tensor
+parallel).
 
 Everything goes through `jax.jit` with `NamedSharding`s over one `jax.make_mesh` mesh with the axes
-(data, fsdp, tensor); XLA's SPMD partitioner inserts the collectives. Each parameter carries its
-logical axes as metadata (`nnx.Param(..., sharding_names=...)` in gpt/model.py; the layer stack adds
-"layers"); tensor parallelism maps heads/MLP width/vocabulary to `tensor` (Megatron style) and FSDP
-shards each matrix's largest remaining dimension over `fsdp`. Optimizer state follows its parameter.
+(data, fsdp, expert, tensor); XLA's SPMD partitioner inserts the collectives. Each parameter carries
+its logical axes as metadata (`nnx.Param(..., sharding_names=...)` in gpt/model.py; the layer stack
+adds "layers"); tensor parallelism maps heads/MLP width/vocabulary to `tensor` (Megatron style),
+expert parallelism maps the experts of MoE layers to `expert`, and FSDP shards each matrix's largest
+remaining dimension over `fsdp`. Batch rows are split over data x fsdp x expert: outside the MoE
+layers the expert axis is one more data-parallel axis (as in MaxText), and the MoE layers send each
+token to its expert's device (gpt/moe.py). Optimizer state follows its parameter.
 """
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from gpt.config import ModelConfig
 from gpt.errors import UserError
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "expert", "tensor")  # tensor last: the innermost (fastest-linked) devices
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical axes that tensor parallelism splits (only where the size divides: key/value heads fewer
 # than the tensor axis stay replicated).
@@ -32,7 +36,8 @@ TENSOR_LOGICAL = ("heads", "kv_heads", "mlp", "vocab")
 
 
 def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
-    """`data:2,fsdp:4` -> {"data": 2, "fsdp": 4, "tensor": 1}; empty -> all devices on data."""
+    """`data:2,fsdp:4` -> {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}; empty -> all devices on
+    data."""
     sizes = {a: 1 for a in AXES}
     if not spec:
         sizes["data"] = n_devices
@@ -41,7 +46,7 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
         name, _, size = part.partition(":")
         name = name.strip()
         if name not in AXES:
-            raise UserError(f"--mesh: unknown axis {name!r} (use data, fsdp and tensor, e.g. "
+            raise UserError(f"--mesh: unknown axis {name!r} (use data, fsdp, expert and tensor, e.g. "
                             f"--mesh=data:2,fsdp:4)")
         try:
             sizes[name] = int(size)
@@ -57,19 +62,28 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
 
 
 def make_mesh(spec: str = "", devices: Any = None) -> Mesh:
-    """The (data, fsdp, tensor) mesh over all devices of the job, or over `devices` (e.g. a subset,
+    """The (data, fsdp, expert, tensor) mesh over all devices of the job, or over `devices` (e.g. a subset,
     for tests and tools that want a smaller mesh than the machine has)."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = parse_mesh(spec, len(devices))
     return jax.make_mesh(tuple(sizes[a] for a in AXES), AXES,
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def batch_degree(mesh: Mesh) -> int:
+    """How many ways batch rows are split: data x fsdp x expert."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 def check_divisibility(cfg: ModelConfig, mesh: Mesh, global_batch: int) -> None:
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    dp = batch_degree(mesh)
     if global_batch % dp:
         raise UserError(f"--batch_size={global_batch} is not divisible by the data-parallel degree "
-                        f"{dp} (data x fsdp); use a multiple of {dp}")
+                        f"{dp} (data x fsdp x expert); use a multiple of {dp}")
+    ep = mesh.shape["expert"]
+    if cfg.n_expert % ep:
+        raise UserError(f"--n_expert={cfg.n_expert} is not divisible by the mesh's expert axis ({ep}); "
+                        f"each device of that axis holds n_expert / {ep} experts")
     tp = mesh.shape["tensor"]
     if cfg.n_head % tp:
         raise UserError(f"--n_head={cfg.n_head} is not divisible by the tensor-parallel degree {tp}")
@@ -80,10 +94,12 @@ def check_divisibility(cfg: ModelConfig, mesh: Mesh, global_batch: int) -> None:
 def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     """PartitionSpec of one parameter from its logical axes and the mesh sizes."""
     spec: list[Any] = [None] * len(shape)
-    tp, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
+    tp, fsdp, ep = mesh.shape["tensor"], mesh.shape["fsdp"], mesh.shape["expert"]
     for i, ax in enumerate(logical):
         if ax in TENSOR_LOGICAL and tp > 1 and shape[i] % tp == 0:
             spec[i] = "tensor"
+        elif ax == "expert" and ep > 1 and shape[i] % ep == 0:
+            spec[i] = "expert"
     matrix_dims = [i for i, ax in enumerate(logical) if ax != "layers"]
     if fsdp > 1 and len(matrix_dims) >= 2:
         free = [i for i in matrix_dims if spec[i] is None and shape[i] % fsdp == 0]
@@ -92,8 +108,12 @@ def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Me
     return P(*spec)
 
 
+def _key_name(k) -> str:
+    return str(getattr(k, "key", getattr(k, "name", k)))
+
+
 def _leaf_name(path) -> str:
-    return str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1])))
+    return _key_name(path[-1])
 
 
 def param_shardings(model_state: Any, mesh: Mesh) -> Any:
@@ -107,21 +127,25 @@ def param_shardings(model_state: Any, mesh: Mesh) -> Any:
 
 
 def like_params(tree: Any, params_shardings: Any, mesh: Mesh) -> Any:
-    """Shardings for a pytree (optimizer state) whose leaves mirror parameters, or are scalars."""
-    by_shape_name: dict[tuple, NamedSharding] = {}
+    """Shardings for a pytree (optimizer state) whose leaves mirror parameters, or are scalars: a
+    leaf whose path ends with a parameter's path (Adam's mu/.../blocks/w_fc) takes its sharding."""
+    by_path: dict[tuple[str, ...], NamedSharding] = {}
     for path, s in jax.tree_util.tree_flatten_with_path(params_shardings)[0]:
-        by_shape_name[_leaf_name(path)] = s
+        by_path[tuple(_key_name(k) for k in path)] = s
 
     def pick(path, x):
-        name = _leaf_name(path)
-        if name in by_shape_name and getattr(x, "ndim", 0) == len(by_shape_name[name].spec):
-            return by_shape_name[name]
+        names = tuple(_key_name(k) for k in path)
+        for i in range(len(names)):
+            s = by_path.get(names[i:])
+            if s is not None and getattr(x, "ndim", 0) == len(s.spec):
+                return s
         return NamedSharding(mesh, P())
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Rows over data x fsdp; with gradient accumulation the leading micro-batch axis is unsharded."""
+    """Rows over data x fsdp x expert; with gradient accumulation the leading micro-batch axis is
+    unsharded."""
     lead = [None] * (ndim - 2)
     return NamedSharding(mesh, P(*lead, BATCH_AXES, None))
 
@@ -129,12 +153,12 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 def batch_process_layout(mesh: Mesh) -> tuple[int, int]:
     """(index, count) of this process's block of batch rows, for `data.Batches`.
 
-    Rows are sharded over data x fsdp; a process needs the rows of its own devices. Usually that is
+    Rows are sharded over data x fsdp x expert; a process needs the rows of its own devices. Usually that is
     block `process_index` of `process_count`, but when a mesh puts whole data-parallel groups on
     several hosts (e.g. tensor parallelism across hosts) processes share blocks, so the block index
     and count come from the mesh, not from the process numbers.
     """
-    dp = mesh.shape["data"] * mesh.shape["fsdp"]
+    dp = batch_degree(mesh)
     index_map = batch_sharding(mesh, 2).devices_indices_map((dp, 1))
     rows: dict[int, set[int]] = {}
     for device, idx in index_map.items():

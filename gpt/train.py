@@ -32,6 +32,7 @@ from gpt import data as data_lib
 from gpt import lora as lora_lib
 from gpt import store
 from gpt import metrics as metrics_lib
+from gpt import moe as moe_lib
 from gpt import sharding
 from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, to_dict
 from gpt.errors import UserError
@@ -95,14 +96,39 @@ def loss_fn(graphdef, params, x_BT, y_BT, dropout_key=None, frozen=None) -> jax.
     return cross_entropy(logits_BTV, y_BT)
 
 
+def objective(graphdef, params, x_BT, y_BT, dropout_key=None, frozen=None,
+              moe: moe_lib.MoETraining | None = None) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+    """(what training minimises, (cross-entropy, the MoE layers' routing figures or None)): the
+    cross-entropy of `loss_fn`, plus for a mixture of experts the load-balancing and z-losses
+    (averaged over the MoE layers) times their coefficients, with the experts' capacity applied."""
+    moe = moe or moe_lib.MoETraining()
+    model = nnx.merge(graphdef, params, frozen) if frozen else nnx.merge(graphdef, params)
+    logits_BTV, _, stats = model.forward(x_BT, dropout_key=dropout_key, capacity_factor=moe.capacity_factor)
+    ce = cross_entropy(logits_BTV, y_BT)
+    if stats is None:
+        return ce, (ce, None)
+    aux = moe.aux_loss_coef * jnp.mean(stats.aux_loss) + moe.z_loss_coef * jnp.mean(stats.z_loss)
+    return ce + aux, (ce, stats)
+
+
+def moe_metrics(stats_A: moe_lib.MoEStats) -> dict[str, jax.Array]:
+    """The step's routing figures (A micro-batches, M MoE layers): the auxiliary losses and the
+    dropped share averaged over both, and each layer's expert load [M, E]."""
+    return {"moe_aux_loss": jnp.mean(stats_A.aux_loss), "moe_z_loss": jnp.mean(stats_A.z_loss),
+            "moe_dropped_fraction": jnp.mean(stats_A.dropped), "moe_load": jnp.mean(stats_A.load_E, axis=0)}
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, seed: int, train_mode: bool = True,
-                    lr: Callable[[jax.Array], jax.Array] | None = None):
+                    lr: Callable[[jax.Array], jax.Array] | None = None,
+                    moe: moe_lib.MoETraining | None = None):
     """(params, opt_state, step, x_ABT, y_ABT[, frozen]) -> (params, opt_state, step + 1, metrics).
 
     A is the number of gradient-accumulation micro-batches, summed inside the compiled step with a
     scan so that the result equals one step on the concatenated batch. With `lr` (the optimizer's
     schedule) the metrics include the learning rate this step applied. `frozen` parameters (a
-    LoRA run's base) take part in the loss but get no gradient and no update.
+    LoRA run's base) take part in the loss but get no gradient and no update. `moe`: the experts'
+    capacity and the auxiliary losses' coefficients (default: TrainConfig's defaults); the
+    metrics' "loss" is the cross-entropy alone, and a MoE model's metrics add `moe_metrics`.
     """
     base_key = jax.random.key(seed)
 
@@ -113,15 +139,18 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, seed: int, train
         def micro(grads_acc, xs):
             i, x_BT, y_BT = xs
             k = None if key is None else jax.random.fold_in(key, i)
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, x_BT, y_BT, k, frozen))(params)
-            return jax.tree.map(jnp.add, grads_acc, grads), loss
+            loss = lambda p: objective(graphdef, p, x_BT, y_BT, k, frozen, moe)  # noqa: E731
+            (_, (ce, stats)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+            return jax.tree.map(jnp.add, grads_acc, grads), (ce, stats)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, losses = jax.lax.scan(micro, zeros, (jnp.arange(A), x_ABT, y_ABT))
+        grads, (losses, stats_A) = jax.lax.scan(micro, zeros, (jnp.arange(A), x_ABT, y_ABT))
         grads = jax.tree.map(lambda g: g / A, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         metrics = {"loss": jnp.mean(losses), "grad_norm": optax.global_norm(grads)}
+        if stats_A is not None:
+            metrics.update(moe_metrics(stats_A))
         if lr is not None:
             metrics["lr"] = lr(step)
         return params, opt_state, step + 1, metrics
@@ -506,7 +535,7 @@ def restore_state(checkpointer: ckpt.Checkpointer, state: State, shards: dict[st
 def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Run, State]:
     """Model, state (fresh or resumed), compiled steps, data and outputs: all before step one."""
     m, t = s.model_cfg, s.train_cfg
-    rt: Runtime = resolve(m, s.compute_cfg)
+    rt: Runtime = dataclasses.replace(resolve(m, s.compute_cfg), mesh=mesh)
     model_shape = abstract_model(m, t.seed, rt, s.lora)
     graphdef = nnx.graphdef(model_shape)
     tx = make_optimizer(t)
@@ -520,7 +549,7 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
     shards["batch"] = sharding.batch_sharding(mesh, ndim=3)
     shards["eval"] = sharding.batch_sharding(mesh, ndim=2)
     train_mode = rt.dropout > 0 or (s.lora is not None and s.lora.dropout > 0)
-    step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode, lr_schedule(t)),
+    step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode, lr_schedule(t), moe_training(t)),
                       in_shardings=(shards["params"], shards["opt_state"], None, shards["batch"],
                                     shards["batch"], shards["frozen"]),
                       out_shardings=(shards["params"], shards["opt_state"], None, None),
@@ -546,11 +575,19 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
                through), state
 
 
+def moe_training(t: TrainConfig) -> moe_lib.MoETraining:
+    return moe_lib.MoETraining(t.expert_capacity_factor, t.moe_aux_loss_coef, t.moe_z_loss_coef)
+
+
 def start_line(s: Setup, state: State, rt: Runtime, mesh) -> str:
-    """Model size (and a LoRA run's trainable part), state memory, compute dtype."""
+    """Model size (a mixture of experts: also the parameters active per token; a LoRA run: its
+    trainable part), state memory, compute dtype."""
+    m = s.model_cfg
     total_b, per_dev_b = sharding.state_bytes((state.params, state.opt_state, state.frozen))
     lora = f" ({lora_lib.describe(s.lora, lora_lib.count(state.params))})" if s.lora else ""
-    return (f"{num_params(s.model_cfg) / 1e6:.2f}M params{lora}; params+optimizer {total_b / 1e9:.3f} GB "
+    moe = (f" ({num_params(m, active=True) / 1e6:.2f}M active per token: {m.n_expert_per_token} of "
+           f"{m.n_expert} experts in {len(m.moe_layers)} of {m.n_layer} layers)") if m.n_expert else ""
+    return (f"{num_params(m) / 1e6:.2f}M params{moe}{lora}; params+optimizer {total_b / 1e9:.3f} GB "
             f"in all, {per_dev_b / 1e9:.3f} GB per device on {mesh.size} (mesh {dict(mesh.shape)}); "
             f"compute {rt.dtype.name}{dtype_note(rt.dtype)}")
 
@@ -645,6 +682,16 @@ class Progress:
             self.bar.close()
 
 
+def moe_record(host: dict, m: ModelConfig) -> dict[str, Any]:
+    """A MoE model's routing figures for metrics.jsonl: the auxiliary losses, the share of token
+    choices dropped by capacity, and each MoE layer's expert load ({"layer1": [share per expert]})."""
+    if "moe_load" not in host:
+        return {}
+    record = {k: host[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction")}
+    record["moe_load"] = {f"layer{i}": load for i, load in zip(m.moe_layers, host["moe_load"])}
+    return record
+
+
 def log_and_evaluate(run: Run, state: State, metrics: dict, prog: Progress, at_log: bool,
                      at_eval: bool) -> tuple[float, dict | None]:
     """Write the train record (at a log step) and run an evaluation (at an eval step)."""
@@ -653,7 +700,8 @@ def log_and_evaluate(run: Run, state: State, metrics: dict, prog: Progress, at_l
     elapsed = time.perf_counter() - prog.t0
     if at_log:
         run.mlog.write({"kind": "train", "step": state.step, "loss": host["loss"], "lr": host["lr"],
-                        "grad_norm": host["grad_norm"], **rate, "elapsed_sec": elapsed})
+                        "grad_norm": host["grad_norm"], **moe_record(host, run.s.model_cfg), **rate,
+                        "elapsed_sec": elapsed})
         prog.show(host, rate)
     if not at_eval:
         return host["loss"], None

@@ -37,14 +37,37 @@ def tiny_gpt(cfg, seed=0, **kw):
     return GPT(cfg, rngs=nnx.Rngs(seed), runtime=tiny_runtime(cfg, **kw))
 
 
-def run_on_4_cpu_devices(script: str) -> dict:
-    """Run a script in a fresh 4-CPU-device process; return the JSON on its last output line."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO))
+def run_on_cpu_devices(script: str, n: int = 4, timeout: int = 120) -> dict:
+    """Run a script in a fresh process with `n` CPU devices; return the JSON on its last output line."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_on_4_cpu_devices(script: str) -> dict:
+    return run_on_cpu_devices(script, 4)
+
+
+def random_params(cfg, seed: int = 0, std: dict[str, float] | None = None) -> dict:
+    """Random parameters of `cfg` drawn on the host (norm scales near 1, the rest N(0, 0.02^2), or
+    N(0, std[name]^2) for the leaves named in `std`): building a GPT eagerly compiles every
+    initialiser op by op, seconds per model here."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from gpt.model import abstract_model
+    rng, std = np.random.default_rng(seed), std or {}
+
+    def draw(path, x):
+        name = str(getattr(path[-1], "key", path[-1]))
+        one = any(w in name for w in ("scale", "norm", "alpha"))
+        sd = std.get(name, 0.1 if one else 0.02)
+        return (float(one) + sd * rng.standard_normal(x.shape)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(draw, nnx.to_pure_dict(nnx.state(abstract_model(cfg))))
 
 
 def perturb_and_save(model, path):

@@ -207,6 +207,23 @@ def cases(w) -> list[Case]:
                                                      "--block_size=8", "--max_iters=1"], "out of memory", new),
         Case("train mesh size", T + [f"--out_dir={new}", "--mesh=data:3"], "--mesh=data:3", new),
         Case("train mesh axis", T + [f"--out_dir={new}", "--mesh=model:1"], "unknown axis", new),
+        # train.py: mixture of experts
+        Case("train moe k above experts", T + [f"--out_dir={new}", "--n_expert=4", "--n_expert_per_token=5"],
+             "--n_expert_per_token=5 must be at most --n_expert=4", new),
+        Case("train moe k zero", T + [f"--out_dir={new}", "--n_expert=4", "--n_expert_per_token=0"],
+             "--n_expert_per_token=0", new),
+        Case("train moe expert axis", T + [f"--out_dir={new}", "--n_expert=3", "--mesh=expert:2"],
+             "--n_expert=3 is not divisible by the mesh's expert axis", new, two_devices),
+        Case("train moe negative aux coef", T + [f"--out_dir={new}", "--n_expert=4", "--moe_aux_loss_coef=-1"],
+             "--moe_aux_loss_coef=-1.0", new),
+        Case("train moe negative z coef", T + [f"--out_dir={new}", "--n_expert=4", "--moe_z_loss_coef=-0.5"],
+             "--moe_z_loss_coef=-0.5", new),
+        Case("train moe negative capacity", T + [f"--out_dir={new}", "--n_expert=4", "--expert_capacity_factor=-0.5"],
+             "--expert_capacity_factor=-0.5", new),
+        Case("train moe flag without experts", T + [f"--out_dir={new}", "--moe_every=2"],
+             "--moe_every needs --n_expert", new),
+        Case("train moe_every not dividing", T + [f"--out_dir={new}", "--n_expert=4", "--moe_every=3"],
+             "--moe_every=3 must divide --n_layer=2", new),
         # train.py: checkpoints
         Case("train resume nothing", T + [f"--out_dir={root / 'empty'}", "--init_from=resume"],
              "no checkpoint found", root / "empty"),
@@ -400,7 +417,7 @@ FAST = {"train unknown flag", "train negative lr", "train heads", "train block t
         "data out_dir is the input",
         "convert pickle only", "convert not gpt2", "evaluate no checkpoint",
         "train lora without init_from", "train lora rank above matrix", "sample lora base changed",
-        "convert merge into non-empty"}
+        "convert merge into non-empty", "train moe k above experts", "train moe expert axis"}
 
 
 def check(case: Case) -> str | None:

@@ -234,11 +234,15 @@ def test_modern_params_flops_and_bad_shapes():
         validate_model(tiny_model_config(n_embd=36, n_head=4, pos_embedding="rope"))
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+FOR_DECODING = {"gpt2": {}, "llama": MODERN["llama"],
+                "moe": dict(n_layer=4, n_expert=4, n_expert_per_token=2, moe_every=2)}
+
+
+@pytest.mark.parametrize("name", list(FOR_DECODING))
 def test_for_decoding_is_the_same_model(name):
-    """`for_decoding` (per-layer modules, no CPU layouts) gives the stacked model's logits, with and
-    without a cache, and leaves the original untouched."""
-    cfg = tiny_model_config(**({} if name == "gpt2" else MODERN["llama"]))
+    """`for_decoding` (per-layer modules in layer order, no CPU layouts) gives the stacked model's
+    logits, with and without a cache, and leaves the original untouched."""
+    cfg = tiny_model_config(**FOR_DECODING[name])
     model = tiny_gpt(cfg)
     dec = M.for_decoding(model)
     assert isinstance(dec.blocks, nnx.List) and len(dec.blocks) == cfg.n_layer

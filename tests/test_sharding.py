@@ -227,9 +227,10 @@ def _assert_same_losses(got, ref, mesh):
 def test_parse_mesh():
     from gpt.errors import UserError
     from gpt.sharding import parse_mesh
-    assert parse_mesh("", 8) == {"data": 8, "fsdp": 1, "tensor": 1}
-    assert parse_mesh("data:2,fsdp:4", 8) == {"data": 2, "fsdp": 4, "tensor": 1}
-    assert parse_mesh("fsdp:4, tensor:2", 8) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert parse_mesh("", 8) == {"data": 8, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert parse_mesh("data:2,fsdp:4", 8) == {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert parse_mesh("fsdp:4, tensor:2", 8) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
+    assert parse_mesh("data:2,expert:4", 8) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
     for bad, words in [("data:3", "uses 3 devices but 8"), ("model:8", "unknown axis 'model'"),
                        ("data:x", "needs a size"), ("data:0,fsdp:8", "positive size")]:
         with pytest.raises(UserError, match=words):
@@ -241,7 +242,7 @@ def test_make_mesh_on_a_subset_and_batch_layout():
 
     from gpt import sharding
     mesh = sharding.make_mesh("data:1", devices=jax.devices()[:1])
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}
     assert sharding.batch_process_layout(mesh) == (0, 1)
 
 
