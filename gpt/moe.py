@@ -50,13 +50,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gpt.config import ModelConfig
 from gpt.ops.dense import dense_reference
+from gpt.sharding import BATCH_AXES
 
 # Where the tokens are while the experts compute, and where they live otherwise (gpt/sharding.py's
 # mesh axes; batch rows span data x fsdp x expert).
-ROWS = ("data", "fsdp", "expert")
 EXPERT_LAYOUT = P("expert", ("data", "fsdp"), None, None)  # [E, B, C, D]
-TOKEN_LAYOUT = P(ROWS, None, None, None)  # [B, E, C, D]
-ROW_LAYOUT = P(ROWS, None, None)  # [B, T, D]: whole rows, whole vectors (the gathers stay local)
+TOKEN_LAYOUT = P(BATCH_AXES, None, None, None)  # [B, E, C, D]
+ROW_LAYOUT = P(BATCH_AXES, None, None)  # [B, T, D]: whole rows, whole vectors (the gathers stay local)
 
 
 @dataclasses.dataclass(frozen=True)
