@@ -154,6 +154,13 @@ def write_cache(cache_xBSGK: jax.Array, new_xBTGK: jax.Array, index: jax.Array) 
     return cache_xBSGK.at[..., rows_B1, slots_BT, :, :].set(new_xBTGK)
 
 
+def advance_cache(cache: KVCache, k_LBTGK: jax.Array, v_LBTGK: jax.Array) -> KVCache:
+    """The cache with this call's keys/values of every layer written into their slots."""
+    k_LBSHK, v_LBSHK = (write_cache(c, new, cache.index)
+                        for c, new in ((cache.k_LBSHK, k_LBTGK), (cache.v_LBSHK, v_LBTGK)))
+    return KVCache(k_LBSHK, v_LBSHK, cache.index + k_LBTGK.shape[2], cache.start_B)
+
+
 def _value(p: nnx.Param | None):
     return None if p is None else p[...]
 
@@ -433,11 +440,8 @@ class GPT(nnx.Module):
             tuple(c.reshape(n_groups, per_group, *c.shape[1:]) for c in (cache.k_LBSHK, cache.v_LBSHK))
         x_BTD, (kv_groups, stats) = jax.lax.scan(body, x_BTD, (states, jnp.arange(n_groups), kv_groups),
                                                  unroll=1 if rt.scan_layers else n_groups)
-        if cache is not None:  # this call's keys/values [L, B, T, G, K] into their slots
-            kv_L = (new.reshape(cfg.n_layer, *new.shape[2:]) for new in kv_groups)
-            k_LBSHK, v_LBSHK = (write_cache(c, new, cache.index)
-                                for c, new in zip((cache.k_LBSHK, cache.v_LBSHK), kv_L))
-            cache = KVCache(k_LBSHK, v_LBSHK, cache.index + x_BTD.shape[1], cache.start_B)
+        if cache is not None:
+            cache = advance_cache(cache, *(new.reshape(cfg.n_layer, *new.shape[2:]) for new in kv_groups))
         return x_BTD, cache, stats
 
 
@@ -456,9 +460,7 @@ class GPT(nnx.Module):
             new_kv.append(kv)
             stats += [s] if s is not None else []
         if cache is not None:
-            k_LBSHK, v_LBSHK = (write_cache(c, jnp.stack([kv[i] for kv in new_kv]), cache.index)
-                                for i, c in enumerate((cache.k_LBSHK, cache.v_LBSHK)))
-            cache = KVCache(k_LBSHK, v_LBSHK, cache.index + x_BTD.shape[1], cache.start_B)
+            cache = advance_cache(cache, *(jnp.stack(parts) for parts in zip(*new_kv)))
         return x_BTD, cache, (jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None)
 
 
