@@ -55,13 +55,19 @@ class _DropOrbaxLogs(logging.Filter):
 class _DropOrbaxStorageErrors(_DropOrbaxLogs):
     """For asyncio's log: only Orbax's storage failures (reported as one line) and the writes that
     fail after them into the abandoned save's temporary directory (Orbax removes it: NOT_FOUND);
-    anything else shows."""
+    anything else shows.
+
+    A failed TensorStore write reaches its future with no Python traceback, so "Orbax's" is told
+    either by the frames or by the path of Orbax's temporary directory in the message.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if exc is None or super().filter(record):
+        if exc is None:
             return True
-        return storage_errno(exc) is None and TMP_MARKER not in str(exc)
+        if TMP_MARKER in str(exc):
+            return False
+        return super().filter(record) or storage_errno(exc) is None
 
 
 logging.getLogger("absl").addFilter(_DropOrbaxLogs())

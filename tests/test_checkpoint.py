@@ -4,6 +4,7 @@ Crash, signal and full-disk behaviour of whole training runs: tests/test_reliabi
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import jax
@@ -89,3 +90,26 @@ def test_intact_but_incompatible_metadata_is_not_called_damaged(tmp_path, edit, 
     with pytest.raises(UserError, match=words) as e:
         ckpt.read_meta(tmp_path)
     assert "damaged" not in str(e.value) and "--overwrite" not in str(e.value)
+
+
+def _asyncio_record(exc: BaseException) -> logging.LogRecord:
+    """The record asyncio logs for a future whose exception nobody retrieved."""
+    return logging.LogRecord("asyncio", logging.ERROR, "asyncio/base_events.py", 1,
+                             "Future exception was never retrieved", None,
+                             (type(exc), exc, exc.__traceback__))
+
+
+@pytest.mark.parametrize("message, shown", [
+    # a second failed write of an abandoned save, straight from TensorStore (no Python frames)
+    ('RESOURCE_EXHAUSTED: Error writing "mu/0.0" in OCDBT database at local file '
+     '"/o/checkpoints/4.orbax-checkpoint-tmp/opt_state": No space left on device '
+     "[os_error_code='28']", False),
+    ('NOT_FOUND: Error writing "mu/0.0": "/o/checkpoints/4.orbax-checkpoint-tmp/d/1"', False),
+    ("No space left on device [os_error_code='28'] while writing /elsewhere/file", True),
+    ("some unrelated bug", True),
+])
+def test_asyncio_log_drops_only_failed_checkpoint_writes(message, shown):
+    """The save's first failure is reported as one line; its later failed writes, which asyncio
+    logs at exit as never retrieved, must not add a traceback after it. Anything else shows."""
+    record = _asyncio_record(ValueError(message))
+    assert all(f.filter(record) for f in logging.getLogger("asyncio").filters) == shown
