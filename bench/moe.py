@@ -1,12 +1,12 @@
 """Mixture of experts against the dense model with the same active parameters, on the bundled corpus.
 
     python bench/moe.py --out=DIR [--seeds=1337,1338,1339] [--n_expert=8] [--n_expert_per_token=2]
+                        [--expert_capacity_factor=F --moe_aux_loss_coef=A --moe_z_loss_coef=Z]
                         [train.py settings for every run, e.g. --preset=default --max_iters=2000]
 
 Two models train with train.py's own path (gpt.config + gpt.train) on the bundled Shakespeare, once
-per seed, with the same batches, schedule and steps: "moe", whose every block's MLP (or every
---moe_every-th) is a top-k router over --n_expert experts of the preset's MLP width F, and
-"dense", whose MLP is k * F wide, so that both have the same active parameters per token (up to
+per seed, with the same batches, schedule and steps: "moe", whose every block's MLP is a top-k
+router over --n_expert experts of the preset's MLP width F, and "dense", whose MLP is k * F wide, so that both have the same active parameters per token (up to
 the router's D x E per MoE layer; both counts are reported) and the same FLOPs per token.
 
 Reported per model (mean and standard deviation over the seeds): the final val loss of the training
@@ -32,6 +32,8 @@ sys.path.insert(0, str(REPO))
 
 from gpt.errors import UserError, run_main  # noqa: E402
 
+MOE_ONLY = ("moe_every", "expert_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef")
+
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="python bench/moe.py", description=__doc__.splitlines()[0])
@@ -39,7 +41,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--seeds", default="1337,1338,1339")
     p.add_argument("--n_expert", type=int, default=8)
     p.add_argument("--n_expert_per_token", type=int, default=2)
+    for flag in MOE_ONLY:  # the MoE run's own settings, never given to the dense run
+        p.add_argument(f"--{flag}")
     a, rest = p.parse_known_args(argv)
+    if a.moe_every not in (None, "1"):
+        raise UserError(f"--moe_every={a.moe_every}: bench/moe.py compares every-block MoE with a dense "
+                        "model of the same active parameters, which needs --moe_every=1 (or leave it out)")
     try:
         a.seeds = [int(s) for s in a.seeds.split(",") if s]
     except ValueError:
@@ -52,7 +59,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def variants(a: argparse.Namespace, common: list[str]) -> dict[str, list[str]]:
     """The MoE model's flags, and the dense model's: the MLP k times as wide as one expert."""
     from gpt.config import build_train
-    moe = [f"--n_expert={a.n_expert}", f"--n_expert_per_token={a.n_expert_per_token}"]
+    moe = [f"--n_expert={a.n_expert}", f"--n_expert_per_token={a.n_expert_per_token}",
+           *(f"--{flag}={getattr(a, flag)}" for flag in MOE_ONLY if getattr(a, flag) is not None)]
     m, _, _, _ = build_train([*common, *moe])
     return {"moe": moe, "dense": [f"--ffn_dim={a.n_expert_per_token * m.ffn}"]}
 

@@ -18,8 +18,10 @@ Why it is computed this way:
   Transformer): renormalized it would always be 1 and the router would learn from the auxiliary
   loss alone.
 - A capacity group is one sequence: each row of T tokens has C = ceil(factor * T * k / E) slots per
-  expert (at most T). Slots are filled in GShard's priority, every token's first choice in token
-  order, then every second choice, and so on; a choice past the capacity is dropped, and a token
+  expert (at most T). Slots are filled in token order (a token's choices best first), so whether a
+  token's choice is kept depends on the tokens before it only: training stays causal. (GShard's
+  priority, every first choice before any second choice, would let a later token's first choice
+  push out an earlier token's second.) A choice past the capacity is dropped, and a token
   whose every choice is dropped passes through the residual connection only (this layer adds 0).
   A row never spans devices or micro-batches, so which tokens drop does not depend on the mesh or on
   gradient accumulation. Capacity factor 0 means C = T: nothing can drop. Evaluation and sampling
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 from typing import NamedTuple
 
 import jax
@@ -100,18 +103,17 @@ def capacity(T: int, k: int, n_expert: int, factor: float) -> int:
     (an expert takes a token at most once); factor 0: T, so no token is ever dropped."""
     if factor == 0:
         return T
-    return max(1, min(T, math.ceil(factor * T * k / n_expert)))
+    exact = Fraction(repr(factor)) * T * k / n_expert  # 1.1 * 100 * 1 / 10 is 11, not 11.000000000000002
+    return max(1, min(T, math.ceil(exact)))
 
 
 def assign_slots(experts_BTX: jax.Array, n_expert: int, C: int) -> tuple[jax.Array, jax.Array]:
-    """(slot [B, T, X], kept [B, T, X]): the slot each token choice takes in its expert, in
-    GShard's priority (all first choices in token order, then all second choices, ...), and
-    whether it is within the capacity C."""
+    """(slot [B, T, X], kept [B, T, X]): the slot each token choice takes in its expert, in token
+    order (a token's choices best first; causal), and whether it is within the capacity C."""
     B, T, X = experts_BTX.shape
-    onehot_BXTE = jax.nn.one_hot(jnp.swapaxes(experts_BTX, 1, 2), n_expert, dtype=jnp.int32)
-    taken_BXTE = jnp.cumsum(onehot_BXTE.reshape(B, X * T, n_expert), axis=1).reshape(B, X, T, n_expert)
-    slot_BXT = jnp.sum((taken_BXTE - 1) * onehot_BXTE, axis=-1)
-    slot_BTX = jnp.swapaxes(slot_BXT, 1, 2)
+    onehot_BTXE = jax.nn.one_hot(experts_BTX, n_expert, dtype=jnp.int32)
+    taken_BTXE = jnp.cumsum(onehot_BTXE.reshape(B, T * X, n_expert), axis=1).reshape(B, T, X, n_expert)
+    slot_BTX = jnp.sum((taken_BTXE - 1) * onehot_BTXE, axis=-1)
     return slot_BTX, slot_BTX < C
 
 

@@ -72,6 +72,19 @@ def test_bench_lora_smoke(tmp_path):
     assert res["lora"]["state_bytes"] < res["full"]["state_bytes"]
 
 
+@pytest.mark.slow
+def test_bench_moe_smoke(tmp_path):
+    """bench/moe.py at a tiny size: both models per seed, the MoE-only flags reach the MoE run only."""
+    out = _run("moe.py", f"--out={tmp_path}", "--preset=tiny", "--max_iters=4", "--eval_interval=4",
+               "--eval_iters=1", "--log_interval=1", "--seeds=1,2", "--expert_capacity_factor=2.0")
+    assert [len(out["results"][m]) for m in ("moe", "dense")] == [2, 2]
+    assert "--expert_capacity_factor=2.0" in out["flags"]["moe"]
+    assert not any("expert" in f for f in out["flags"]["dense"] + out["common_flags"])
+    moe, dense = out["results"]["moe"][0], out["results"]["dense"][0]
+    assert moe["active_params"] < moe["params"] and dense["active_params"] == dense["params"]
+    assert 0 <= moe["dropped_fraction"] <= 1 and moe["load_max_x_E"] >= 1
+
+
 def test_profile_reports_device_time():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(REPO / "bench" / "profile.py"), "train", "--preset=tiny",

@@ -68,16 +68,31 @@ def test_top_k_gates_match_a_python_loop(k):
 
 
 def test_capacity_and_slots_on_a_hand_built_case():
-    """C = ceil(factor * T * k / E), at most T (factor 0: T); slots in GShard's priority: every
-    first choice in token order, then every second choice; past C a choice is dropped."""
+    """C = ceil(factor * T * k / E), at most T (factor 0: T), exact for decimal factors; slots in
+    token order (each token's choices best first); past C a choice is dropped."""
     assert moe.capacity(64, 2, 8, 1.25) == 20 and moe.capacity(64, 2, 8, 0.0) == 64
     assert moe.capacity(4, 1, 8, 1.0) == 1 and moe.capacity(10, 2, 2, 4.0) == 10
+    assert moe.capacity(100, 1, 10, 1.1) == 11  # not ceil(11.000000000000002)
     experts = jnp.array([[[0, 1], [0, 2], [1, 0], [0, 1]]])  # T=4 tokens, k=2, E=3
     slot, kept = moe.assign_slots(experts, 3, C=2)
-    # first choices: t0->e0 slot 0, t1->e0 slot 1, t2->e1 slot 0, t3->e0 slot 2 (over C);
-    # second choices: t0->e1 slot 1, t1->e2 slot 0, t2->e0 slot 3, t3->e1 slot 2 (both over C)
-    assert slot.tolist() == [[[0, 1], [1, 0], [0, 3], [2, 2]]]
+    # t0: e0 slot 0, e1 slot 0; t1: e0 slot 1, e2 slot 0; t2: e1 slot 1, e0 slot 2 (over C);
+    # t3: e0 slot 3, e1 slot 2 (both over C)
+    assert slot.tolist() == [[[0, 0], [1, 0], [1, 2], [3, 2]]]
     assert kept.tolist() == [[[True, True], [True, True], [True, False], [False, False]]]
+
+
+def test_capacity_dropping_is_causal():
+    """With drops (k=2), a token's output never depends on later tokens: changing the tail of a
+    sequence leaves the outputs before it unchanged (a language model must not see the future)."""
+    cfg = tiny_model_config(n_expert=4, n_expert_per_token=2)
+    p = expert_weights(cfg, 4, 8, 12, router_std=1.5)
+    h = jnp.asarray(np.random.default_rng(3).standard_normal((2, 16, 8)), jnp.float32)
+    out, stats = moe.moe_mlp(h, p, cfg, jnp.float32, capacity_factor=0.75)
+    assert float(stats.dropped) > 0.1  # the case exercises the capacity
+    for t in (3, 8, 12):
+        tail = jnp.asarray(np.random.default_rng(t).standard_normal((2, 16 - t, 8)), jnp.float32)
+        changed, _ = moe.moe_mlp(h.at[:, t:].set(tail), p, cfg, jnp.float32, capacity_factor=0.75)
+        np.testing.assert_array_equal(np.asarray(changed[:, :t]), np.asarray(out[:, :t]))
 
 
 def expert_weights(cfg, E, D, F, seed=0, router_std=0.5):
