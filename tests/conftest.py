@@ -1,7 +1,10 @@
 """Shared fixtures: a small prepared corpus; tests run on CPU in float32 (helpers: tests/helpers.py)."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # --dtype=auto is bfloat16 on CPUs with native bf16; the tests' tolerances are for float32, and the
 # same on every machine class, so auto means float32 here (subprocesses inherit it).
 os.environ.setdefault("GPT_CPU_BF16", "0")
+
+
+def _session_compilation_cache() -> None:
+    """One persistent XLA cache for the whole session, here and in every subprocess (they inherit
+    the environment): the many train.py / sample.py runs of the same tiny models compile the same
+    programs, and loading one costs a fraction of compiling it. Fresh each session, so never stale;
+    a cache the developer set is used as it is. Exactness tests are unaffected: every run, the
+    reference included, executes the same compiled programs."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    d = tempfile.mkdtemp(prefix="gpt-jax-tests-xla-cache-")
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=d, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+
+
+_session_compilation_cache()
 
 
 @pytest.fixture(scope="session")

@@ -34,25 +34,11 @@ TMP = ckpt.TMP_MARKER
 # ----------------------------------------------------------------------------- helpers
 
 
-_JAX_CACHE: list[str] = []  # set by the fixture below
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _compilation_cache(tmp_path_factory):
-    """One persistent XLA cache for every subprocess of this module: the restarts skip compiling
-    (~5 s each on a loaded 2-core machine). Every run, the reference included, executes the same
-    compiled programs, so exactness is still about what a resume restores."""
-    _JAX_CACHE[:] = [str(tmp_path_factory.mktemp("jax_cache"))]
-    yield
-    _JAX_CACHE.clear()
-
-
 def _env() -> dict[str, str]:
+    """The training subprocesses' environment (with tests/conftest.py's session-wide XLA cache,
+    the restarts skip compiling)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # one CPU device, like the reference run
-    if _JAX_CACHE:
-        env.update(JAX_COMPILATION_CACHE_DIR=_JAX_CACHE[0], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return env
 
 
