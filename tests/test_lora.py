@@ -355,6 +355,7 @@ _MESH_SCRIPT = "import json, sys; sys.path[:0] = ['tests']; import test_lora; " 
                "print(json.dumps(test_lora.mesh_train(*sys.argv[1:5])))"
 
 
+@pytest.mark.slow  # 30 s; sharding of the base model is tested in CI by tests/test_sharding.py
 def test_sharded_matches_one_device(tmp_path, char_data, bases, lora_runs):
     """LoRA on the modern block over data x fsdp x tensor (8 CPU devices) == one device, to 1e-5;
     the adapters are sharded like their weights (B of w_q over heads, A of w_proj over the MLP width)."""

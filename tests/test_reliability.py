@@ -193,6 +193,7 @@ def _kill_loop(out: Path, data: Path, n_kills: int, seed: int) -> dict[str, int]
     return stats
 
 
+@pytest.mark.slow  # 50 s; the signal, full-disk and damaged-checkpoint tests cover resume in CI
 def test_kill9_at_random_moments_resumes_exactly(tmp_path, char_data, reference):
     """6 kill -9s (start-up, mid-save, mid-step); the resumed run equals the uninterrupted one
     (30 of them in the slow test below)."""
@@ -213,7 +214,7 @@ def test_kill9_many_times_resumes_exactly(tmp_path, char_data, reference):
 # ----------------------------------------------------------------------------- SIGTERM / SIGINT
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_signal_saves_within_one_step_exits_zero_and_resumes_exactly(tmp_path, char_data, reference, sig):
     """A signal finishes the step, saves (printing "saved" once it is on disk) and exits 0."""
     out = tmp_path / "o"

@@ -390,6 +390,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # 35 s in a 4-device subprocess
 def test_gqa_sharded_equals_one_device():
     """Tensor parallelism shards query heads; key/value heads too where the tensor axis divides
     them (2 KV heads over 2), else they stay replicated (2 over 4): loss and gradients == one device."""
