@@ -34,10 +34,11 @@ the same target trained on 8 rows of 256 a step without dropout, with a 4-layer 
 smaller), cheap enough to train on a small CPU; `tiny` is a smoke test.
 Greedy (temperature 0), so both paths must give the same tokens (checked). Reported: tokens/s of
 plain cached decoding and of speculative decoding (decode only, prefill excluded), the measured
-speedup, the acceptance rate a (accepted / drafted tokens), tokens per target forward, the step
-times of the target, the draft and the target's (K+1)-token verifying forward, and the speedup
-they predict (Leviathan et al.): tokens per round (1 - a^(K+1)) / (1 - a) over the round's cost
-(K draft steps + one verifying forward) in target steps.
+speedup, the acceptance rate (accepted / drafted tokens), tokens per target forward (per round),
+Leviathan et al.'s per-token acceptance a solved from them ((1 - a^(K+1)) / (1 - a) tokens per
+round), the step times of the target, the draft and the target's (K+1)-token verifying forward,
+and the speedup they predict: tokens per round over the round's cost (K draft steps + one
+verifying forward) in target steps.
 The last line printed is one JSON object.
 """
 from __future__ import annotations
@@ -255,11 +256,22 @@ def time_speculative(target: GPT, draft: GPT, pt, pd, prompt_BP, n: int, k: int,
     return timed(lambda: dec(pt, pd, st), reps)
 
 
-def predicted_speedup(alpha: float, k: int, t_target: float, t_draft: float, t_verify: float) -> float:
-    """Leviathan et al.'s expected tokens per round, (1 - a^(k+1)) / (1 - a), over a round's cost
-    (k draft steps and one verifying forward) in target steps."""
-    tokens = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens * t_target / (k * t_draft + t_verify)
+def per_token_acceptance(tokens_per_round: float, k: int) -> float:
+    """Leviathan et al.'s alpha, the chance that one drafted token is accepted, from the measured
+    tokens per round (1 - a^(k+1)) / (1 - a) (bisection: increasing in a). Not the same as
+    accepted / drafted, which also counts the drafts after a round's first rejection."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if sum(a ** i for i in range(k + 1)) < tokens_per_round else (lo, a)
+    return (lo + hi) / 2
+
+
+def predicted_speedup(tokens_per_round: float, k: int, t_target: float, t_draft: float,
+                      t_verify: float) -> float:
+    """The measured tokens per round (per target forward) over a round's cost (k draft steps and one
+    verifying forward) in target steps."""
+    return tokens_per_round * t_target / (k * t_draft + t_verify)
 
 
 def bench_speculative(args) -> dict:
@@ -293,14 +305,16 @@ def bench_speculative(args) -> dict:
            "speculative_tokens_per_sec": B * N / t_spec, "speedup": t_target * N / t_spec,
            "acceptance_rate": alpha, "tokens_per_target_forward": N / stats["target_forwards"],
            "target_step_ms": 1e3 * t_target, "draft_step_ms": 1e3 * t_draft, "verify_ms": 1e3 * t_verify,
-           "predicted_speedup": predicted_speedup(alpha, K, t_target, t_draft, t_verify),
+           "per_token_acceptance": per_token_acceptance(N / stats["target_forwards"], K),
+           "predicted_speedup": predicted_speedup(N / stats["target_forwards"], K, t_target, t_draft, t_verify),
            "same_tokens": bool((spec.output_tokens(st, None, K)[:, 1:] == plain_tokens).all()),
            **bandwidth_bound(target.cfg, B, P + N / 2, weight_bytes, jnp.dtype(target.rt.dtype).itemsize,
                              args.copy_gbps, t_target)}
     print(f"speculative decoding, K={K}, batch {B}, greedy: plain {row['plain_tokens_per_sec']:.1f} tok/s "
           f"({100 * row['bw_util']:.0f}% of the bandwidth bound), speculative "
           f"{row['speculative_tokens_per_sec']:.1f} tok/s: {row['speedup']:.2f}x (predicted "
-          f"{row['predicted_speedup']:.2f}x); acceptance {100 * alpha:.0f}%, "
+          f"{row['predicted_speedup']:.2f}x); acceptance {100 * alpha:.0f}% of drafts, "
+          f"{100 * row['per_token_acceptance']:.0f}% per token, "
           f"{row['tokens_per_target_forward']:.2f} tokens per target forward; steps: target "
           f"{row['target_step_ms']:.2f} ms, draft {row['draft_step_ms']:.2f} ms, verify "
           f"{row['verify_ms']:.2f} ms; same tokens: {row['same_tokens']}", flush=True)
