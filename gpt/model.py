@@ -486,7 +486,8 @@ def for_decoding(model: GPT) -> GPT:
         layers.append(nnx.merge(graphdef, jax.tree.map(lambda a, i=taken[moe]: a[i], state)))
         taken[moe] += 1
     out = nnx.merge(*nnx.split(model))  # a shallow twin: the other arrays are shared
-    out.blocks, out.moe_blocks = nnx.List(layers), None
+    # nnx.data: with every block MoE, `blocks` was None (a static attribute) in the model
+    out.blocks, out.moe_blocks = nnx.data(nnx.List(layers)), None
     out.rt = dataclasses.replace(out.rt, cpu_layouts=False)
     return out
 

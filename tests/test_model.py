@@ -236,10 +236,12 @@ def test_modern_params_flops_and_bad_shapes():
 
 
 FOR_DECODING = {"gpt2": {}, "llama": MODERN["llama"],
-                "moe": dict(n_layer=4, n_expert=4, n_expert_per_token=2, moe_every=2)}
+                "moe": dict(n_layer=4, n_expert=4, n_expert_per_token=2, moe_every=2),
+                "moe-every-layer": dict(n_expert=4, n_expert_per_token=2)}  # no dense blocks at all
 
 
-@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow), "moe"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow), "moe",
+                                  "moe-every-layer"])
 def test_for_decoding_is_the_same_model(name):
     """`for_decoding` (per-layer modules in layer order, no CPU layouts) gives the stacked model's
     logits, with and without a cache, and leaves the original untouched."""
