@@ -6,8 +6,9 @@
 
 Two models train with train.py's own path (gpt.config + gpt.train) on the bundled Shakespeare, once
 per seed, with the same batches, schedule and steps: "moe", whose every block's MLP is a top-k
-router over --n_expert experts of the preset's MLP width F, and "dense", whose MLP is k * F wide, so that both have the same active parameters per token (up to
-the router's D x E per MoE layer; both counts are reported) and the same FLOPs per token.
+router over --n_expert experts of the preset's MLP width F, and "dense", whose MLP is k * F wide,
+so that both have the same active parameters per token (up to the router's D x E per MoE layer;
+both counts are reported) and the same FLOPs per token.
 
 Reported per model (mean and standard deviation over the seeds): the final val loss of the training
 loop (eval_iters random windows of the val split; evaluation never drops tokens), the median step

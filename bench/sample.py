@@ -298,15 +298,16 @@ def bench_speculative(args) -> dict:
     t_spec, st = time_speculative(target, draft, pt, pd, prompt_BP, N, K, args.reps)
     stats = spec.SpeculativeSampler.stats(st)
     alpha = stats["acceptance_rate"]
+    per_round = N / stats["target_forwards"]  # tokens per round (one target forward each)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(pt))
     row = {"target": str(target_dir), "draft": str(draft_dir), "target_params_m": num_params(target.cfg) / 1e6,
            "draft_params_m": num_params(draft.cfg) / 1e6, "batch": B, "prompt_len": P, "new_tokens": N,
            "num_draft_tokens": K, "plain_tokens_per_sec": B / t_target,
            "speculative_tokens_per_sec": B * N / t_spec, "speedup": t_target * N / t_spec,
-           "acceptance_rate": alpha, "tokens_per_target_forward": N / stats["target_forwards"],
+           "acceptance_rate": alpha, "tokens_per_target_forward": per_round,
            "target_step_ms": 1e3 * t_target, "draft_step_ms": 1e3 * t_draft, "verify_ms": 1e3 * t_verify,
-           "per_token_acceptance": per_token_acceptance(N / stats["target_forwards"], K),
-           "predicted_speedup": predicted_speedup(N / stats["target_forwards"], K, t_target, t_draft, t_verify),
+           "per_token_acceptance": per_token_acceptance(per_round, K),
+           "predicted_speedup": predicted_speedup(per_round, K, t_target, t_draft, t_verify),
            "same_tokens": bool((spec.output_tokens(st, None, K)[:, 1:] == plain_tokens).all()),
            **bandwidth_bound(target.cfg, B, P + N / 2, weight_bytes, jnp.dtype(target.rt.dtype).itemsize,
                              args.copy_gbps, t_target)}

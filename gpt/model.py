@@ -405,10 +405,10 @@ class GPT(nnx.Module):
         moe_every - 1 dense blocks and a MoE block otherwise), each group's slices of the stacked
         parameters and of the cache as the scan's inputs and outputs (no stacked cache carried
         through every layer). Returns x, the cache and the MoE layers' stacked routing figures."""
-        cfg, rt = self.cfg, self.rt
-        index = None if cache is None else cache.index
         if isinstance(self.blocks, nnx.List):  # unstacked (`for_decoding`): one module per layer
             return self._layer_loop(x_BTD, cache, positions_BT, mask_BTS, key, capacity_factor)
+        cfg, rt = self.cfg, self.rt
+        index = None if cache is None else cache.index
         group = layer_group(cfg)
         per_group, n_groups = len(group), cfg.n_layer // len(group)
         stacks = {moe: nnx.split(blocks) for moe, blocks in ((False, self.blocks), (True, self.moe_blocks))

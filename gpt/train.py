@@ -125,9 +125,9 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, seed: int, train
 
     A is the number of gradient-accumulation micro-batches, summed inside the compiled step with a
     scan so that the result equals one step on the concatenated batch (for MoE models up to the
-    load-balancing loss, a product of per-batch means, taken per micro-batch and averaged). With `lr` (the optimizer's
-    schedule) the metrics include the learning rate this step applied. `frozen` parameters (a
-    LoRA run's base) take part in the loss but get no gradient and no update. `moe`: the experts'
+    load-balancing loss, a product of per-batch means, taken per micro-batch and averaged). With
+    `lr` (the optimizer's schedule) the metrics include the learning rate this step applied.
+    `frozen` parameters (a LoRA run's base) take part in the loss but get no gradient and no update. `moe`: the experts'
     capacity and the auxiliary losses' coefficients (default: TrainConfig's defaults); the
     metrics' "loss" is the cross-entropy alone, and a MoE model's metrics add `moe_metrics`.
     """
@@ -685,8 +685,8 @@ class Progress:
 
 def moe_record(host: dict, m: ModelConfig) -> dict[str, Any]:
     """A MoE model's routing figures for metrics.jsonl: the auxiliary losses, the share of token
-    choices dropped by capacity, and each MoE layer's expert load ({"layer1": [share per expert]}; layers counted from 0, so
-    "layer1" is the second block)."""
+    choices dropped by capacity, and each MoE layer's expert load ({"layer1": [share per expert]};
+    layers counted from 0, so "layer1" is the second block)."""
     if "moe_load" not in host:
         return {}
     record = {k: host[k] for k in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction")}
