@@ -3,7 +3,7 @@
     python bench/sample.py [--configs=tiny,shakespeare-char,gpt2] [--batches=1,16]
                            [--prompt_len=16] [--new_tokens=256] [--baseline_tokens=N]
                            [--baseline_batches=1] [--dtype=auto] [--reps=3] [--baseline_reps=1]
-                           [--weights=compute|float32]
+                           [--weights=compute|float32] [--transformers]
 
 Models are randomly initialised (vocabulary 65 for the char configs, 50257 for gpt2). For each
 config and batch size it reports the prefill time (the prompt through the model, filling the cache),
@@ -18,7 +18,12 @@ Both paths sample with temperature 1 and top-k 200, so they do the same per-toke
 token); float32 keeps them as trained. Each row also gives the memory-bandwidth bound of a decode
 step (the bytes it must read: the weights as held plus the keys/values written so far, at the
 average context of the run, over the copy bandwidth measured in the same run) and the fraction of
-it reached (`bw_util`): batch-1 decoding is bound by reading the weights, not by FLOPs.
+it reached (`bw_util`): batch-1 decoding is bound by reading the weights, not by FLOPs. The same
+bound at the read-only bandwidth (a sum over 256 MiB, measured alongside: a read stream need not
+reach the copy figure, which counts reads and writes together) is `read_bound_ms` / `read_util`.
+--transformers also times Hugging Face `generate` (test-only torch, CPU) on a randomly initialised
+GPT2LMHeadModel of each config's shape, same batch, prompt length, new tokens, temperature 1 and
+top-k 200, as the decoding reference (`transformers_tokens_per_sec`, `vs_transformers`).
 
 Speculative decoding (gpt/speculative.py), plain and speculative side by side on the same target:
 
@@ -121,7 +126,11 @@ def bench_config(name: str, args) -> list[dict]:
                "decode_tokens_per_sec": B * N / t_dec, "ms_per_step": 1e3 * t_dec / N,
                "baseline_tokens_per_sec": None, "speedup": None, "weights": args.weights,
                **bandwidth_bound(cfg, B, P + N / 2, weight_bytes, jnp.dtype(dtype).itemsize,
-                                 args.copy_gbps, t_dec / N)}
+                                 args.copy_gbps, t_dec / N, args.read_gbps)}
+        if args.transformers:
+            t_hf = time_transformers(cfg, B, P, N, args.reps)
+            row["transformers_tokens_per_sec"] = B * N / t_hf
+            row["vs_transformers"] = t_hf / t_dec
         if B in args.baseline_batches:
             nb = args.baseline_tokens or N
             sb = SamplingSettings(max_new_tokens=nb, temperature=1.0, top_k=200)
@@ -136,7 +145,10 @@ def bench_config(name: str, args) -> list[dict]:
         base = (f"{row['baseline_tokens_per_sec']:>10.1f} {row['speedup']:>8.1f}x"
                 if row["speedup"] else f"{'-':>10} {'-':>9}")
         print(f"{name:<17} {B:>5} {row['prefill_ms']:>11.1f} {row['decode_tokens_per_sec']:>12.1f} "
-              f"{row['ms_per_step']:>9.2f} {base} {100 * row['bw_util']:>8.0f}%", flush=True)
+              f"{row['ms_per_step']:>9.2f} {base} {100 * row['bw_util']:>8.0f}% "
+              f"{100 * row['read_util']:>8.0f}%"
+              + (f" {row['transformers_tokens_per_sec']:>10.1f} {row['vs_transformers']:>7.2f}x"
+                 if args.transformers else ""), flush=True)
     return rows
 
 
@@ -147,13 +159,43 @@ def hold_in(params, dtype):
 
 
 def bandwidth_bound(cfg: ModelConfig, B: int, context: float, weight_bytes: int, itemsize: int,
-                    copy_gbps: float, step_sec: float) -> dict:
+                    copy_gbps: float, step_sec: float, read_gbps: float | None = None) -> dict:
     """Bytes a decode step must read (weights + this context's keys/values) and the time that
-    takes at the measured bandwidth, against the measured step time."""
-    kv_bytes = 2 * cfg.n_layer * B * context * cfg.n_embd * itemsize
+    takes at the measured copy (and read-only) bandwidth, against the measured step time."""
+    kv_bytes = 2 * cfg.n_layer * B * context * cfg.kv_heads * cfg.head_dim * itemsize
     bound_sec = (weight_bytes + kv_bytes) / (copy_gbps * 1e9)
-    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "copy_gbps": copy_gbps,
-            "bound_ms": 1e3 * bound_sec, "bw_util": bound_sec / step_sec}
+    row = {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "copy_gbps": copy_gbps,
+           "bound_ms": 1e3 * bound_sec, "bw_util": bound_sec / step_sec}
+    if read_gbps:
+        read_sec = (weight_bytes + kv_bytes) / (read_gbps * 1e9)
+        row.update(read_gbps=read_gbps, read_bound_ms=1e3 * read_sec, read_util=read_sec / step_sec)
+    return row
+
+
+def time_transformers(cfg: ModelConfig, B: int, P: int, N: int, reps: int) -> float:
+    """Median seconds of Hugging Face `generate` (random weights of cfg's GPT-2 shape, CPU torch on
+    every core) for B prompts of P tokens and exactly N new ones, temperature 1, top-k 200."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        sys.exit("error: --transformers needs torch and transformers "
+                 "(pip install -r requirements-test.txt)")
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(0)
+    hf_cfg = transformers.GPT2Config(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                                     n_positions=cfg.block_size, vocab_size=cfg.vocab_size)
+    model = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (B, P))
+    kw = dict(do_sample=True, temperature=1.0, top_k=200, top_p=1.0, max_new_tokens=N,
+              min_new_tokens=N, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.inference_mode():
+        ts = []
+        for _ in range(reps + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            model.generate(prompt, **kw)
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[1:])
 
 
 def enable_compile_cache() -> str:
@@ -310,7 +352,7 @@ def bench_speculative(args) -> dict:
            "predicted_speedup": predicted_speedup(per_round, K, t_target, t_draft, t_verify),
            "same_tokens": bool((spec.output_tokens(st, None, K)[:, 1:] == plain_tokens).all()),
            **bandwidth_bound(target.cfg, B, P + N / 2, weight_bytes, jnp.dtype(target.rt.dtype).itemsize,
-                             args.copy_gbps, t_target)}
+                             args.copy_gbps, t_target, args.read_gbps)}
     print(f"speculative decoding, K={K}, batch {B}, greedy: plain {row['plain_tokens_per_sec']:.1f} tok/s "
           f"({100 * row['bw_util']:.0f}% of the bandwidth bound), speculative "
           f"{row['speculative_tokens_per_sec']:.1f} tok/s: {row['speedup']:.2f}x (predicted "
@@ -337,6 +379,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--baseline_reps", type=int, default=1, help="timed baseline runs (slow)")
     ap.add_argument("--weights", default="compute", choices=("compute", "float32"),
                     help="parameters as held while decoding: cast to the compute dtype, or float32")
+    ap.add_argument("--transformers", action="store_true",
+                    help="also time Hugging Face generate on the same shapes (test-only torch)")
     ap.add_argument("--speculative", action="store_true", help="also plain vs speculative decoding")
     ap.add_argument("--pair", default="shakespeare", choices=tuple(PAIRS))
     ap.add_argument("--pair_iters", type=int, default=2000, help="training steps of each model of --pair")
@@ -355,19 +399,21 @@ def main(argv: list[str]) -> int:
     cache_dir = enable_compile_cache()
     device = metrics_lib.device_name()
     args.copy_gbps = metrics_lib.measure_copy_gbps()
+    args.read_gbps = metrics_lib.measure_read_gbps()
     print(f"device: {device}; jax {jax.__version__}; prompt {args.prompt_len} tokens, "
-          f"{args.new_tokens} new tokens; weights {args.weights}; measured copy bandwidth "
-          f"{args.copy_gbps:,.0f} GB/s")
+          f"{args.new_tokens} new tokens; weights {args.weights}; measured bandwidth: copy "
+          f"{args.copy_gbps:,.0f} GB/s (read + write), read {args.read_gbps:,.0f} GB/s")
     rows = []
     if configs:
         print(f"{'config':<17} {'batch':>5} {'prefill ms':>11} {'cached tok/s':>12} {'ms/step':>9} "
-              f"{'nocache t/s':>10} {'speedup':>9} {'bw bound':>9}")
+              f"{'nocache t/s':>10} {'speedup':>9} {'bw bound':>9} {'read bnd':>9}"
+              + (f" {'HF tok/s':>10} {'vs HF':>8}" if args.transformers else ""))
     for c in configs:
         rows += bench_config(c, args)
     speculative = bench_speculative(args) if args.speculative else None
     print(json.dumps({"device": device, "jax": jax.__version__, "prompt_len": args.prompt_len,
                       "new_tokens": args.new_tokens, "weights": args.weights,
-                      "copy_gbps": args.copy_gbps, "results": rows, "speculative": speculative}))
+                      "copy_gbps": args.copy_gbps, "read_gbps": args.read_gbps, "results": rows, "speculative": speculative}))
     import shutil
     shutil.rmtree(cache_dir, ignore_errors=True)
     return 0

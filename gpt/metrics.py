@@ -89,6 +89,23 @@ def measure_copy_gbps(n_bytes: int | None = None, reps: int = 10) -> float:
     return 2 * n_bytes / best / 1e9
 
 
+def measure_read_gbps(n_bytes: int | None = None, reps: int = 10) -> float:
+    """Best achieved bandwidth (GB/s) of a read-only pass (a sum) over a float32 array on one
+    device, the same sizes as `measure_copy_gbps`. Batch-1 decoding only reads its weights, and a
+    read stream need not reach the copy figure, which counts reads and writes together."""
+    if n_bytes is None:
+        n_bytes = (256 << 20) if jax.default_backend() == "cpu" else (1 << 30)
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return n_bytes / best / 1e9
+
+
 class Throughput:
     """Tokens/s, achieved TFLOP/s and MFU from a FLOPs-per-token figure and measured ceilings."""
 

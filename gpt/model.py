@@ -21,6 +21,7 @@ decided once when the model is built; the kernels live in `gpt/ops/`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -140,18 +141,22 @@ def cache_positions(cache: KVCache | None, B: int, T: int, window: int
     return positions_BT, mask_BTS
 
 
-def write_cache(cache_xBSGK: jax.Array, new_xBTGK: jax.Array, index: jax.Array) -> jax.Array:
+def write_cache(cache_xBSGK: jax.Array, new_xBTGK: jax.Array, index: jax.Array,
+                layer: int | None = None) -> jax.Array:
     """`new` (this call's keys or values, any leading axes x) written into the cache's slots from
     `index` on (see KVCache): one slice for a shared index, a per-row scatter (wrapping around the
-    ring) for an index of shape [B]."""
+    ring) for an index of shape [B]. `layer`: `new` has no layer axis and goes into that layer of
+    a cache that has one ([L, B, S, G, K])."""
     S, T = cache_xBSGK.shape[-3], new_xBTGK.shape[-3]
     new_xBTGK = new_xBTGK.astype(cache_xBSGK.dtype)
+    lead = () if layer is None else (layer,)
     if jnp.ndim(index) == 0:
+        new_xBTGK = new_xBTGK if layer is None else new_xBTGK[None]
         at = (0,) * (cache_xBSGK.ndim - 3) + (index % S, 0, 0)
-        return jax.lax.dynamic_update_slice(cache_xBSGK, new_xBTGK, at)
+        return jax.lax.dynamic_update_slice(cache_xBSGK, new_xBTGK, (*lead, *at[len(lead):]))
     slots_BT = jnp.mod(index[:, None] + jnp.arange(T), S)
     rows_B1 = jnp.arange(index.shape[0])[:, None]
-    return cache_xBSGK.at[..., rows_B1, slots_BT, :, :].set(new_xBTGK)
+    return cache_xBSGK.at[(*lead, Ellipsis, rows_B1, slots_BT, slice(None), slice(None))].set(new_xBTGK)
 
 
 def advance_cache(cache: KVCache, k_LBTGK: jax.Array, v_LBTGK: jax.Array) -> KVCache:
@@ -159,6 +164,28 @@ def advance_cache(cache: KVCache, k_LBTGK: jax.Array, v_LBTGK: jax.Array) -> KVC
     k_LBSHK, v_LBSHK = (write_cache(c, new, cache.index)
                         for c, new in ((cache.k_LBSHK, k_LBTGK), (cache.v_LBSHK, v_LBTGK)))
     return KVCache(k_LBSHK, v_LBSHK, cache.index + k_LBTGK.shape[2], cache.start_B)
+
+
+def _write_group_layer(kv_group, j: int, index, written: list, k_BTGK, v_BTGK):
+    """A `Block`'s cache_write in the layer scan: layer j of the group's cache slices [n, B, S, G, K]
+    with this call's keys/values written, for attention; the new keys/values are collected in
+    `written` and go into the stacked cache once, after the scan (returning each layer's updated
+    slice would copy it every decode step)."""
+    written.append(tuple(new.astype(c.dtype) for c, new in zip(kv_group, (k_BTGK, v_BTGK))))
+    return tuple(write_cache(c[j], new, index) for c, new in zip(kv_group, written[-1]))
+
+
+def _write_layer(held: list, layer: int, k_BTGK, v_BTGK):
+    """A `Block`'s cache_write over unstacked blocks (`for_decoding`): the keys/values are written
+    straight into `layer` of the stacked cache held[0] (replaced by the result), and the layer's
+    slices read back. Writing first keeps every read after the write it depends on, so XLA updates
+    the cache in place; reading the old slices and writing all layers at the end made it copy the
+    whole cache twice per decode step."""
+    c = held[0]
+    k_LBSHK, v_LBSHK = (write_cache(a, new, c.index, layer)
+                        for a, new in ((c.k_LBSHK, k_BTGK), (c.v_LBSHK, v_BTGK)))
+    held[0] = c._replace(k_LBSHK=k_LBSHK, v_LBSHK=v_LBSHK)
+    return k_LBSHK[layer], v_LBSHK[layer]
 
 
 def _value(p: nnx.Param | None):
@@ -284,12 +311,12 @@ class Block(nnx.Module):
         p = {n: _value(getattr(self, n)) for n in names}
         return moe_lib.moe_mlp(h_BTD, p, cfg, rt.dtype, capacity_factor, rt.mesh)
 
-    def __call__(self, x_BTD, kv, positions_BT, mask_BTS, cache_index, cfg: ModelConfig, rt: Runtime,
+    def __call__(self, x_BTD, cache_write, positions_BT, mask_BTS, cfg: ModelConfig, rt: Runtime,
                  key, capacity_factor: float = 0.0):
-        """`kv`: this layer's cache (k, v) [B, S, G, K] or None; returns x, this call's new
-        (k, v) [B, T, G, K] in the cache's dtype, which the caller writes into the cache once for
-        all layers (returning the whole updated layer cache would copy it every decode step), and
-        a MoE block's routing figures (None for a dense block). `capacity_factor`: a MoE block's
+        """`cache_write`: None without a cache, else a function that writes this call's keys and
+        values [B, T, G, K] into this layer's cache (the caller keeps the cache) and returns what
+        the queries attend to, the layer's keys and values [B, S, G, K]. Returns x and a MoE
+        block's routing figures (None for a dense block). `capacity_factor`: a MoE block's
         capacity (gpt/moe.py; 0: no token dropped)."""
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
         lora_key = None if key is None else jax.random.fold_in(key, 3)  # the adapters' dropout
@@ -298,12 +325,10 @@ class Block(nnx.Module):
         h_BTD = normalize(x_BTD, _norm(self.ln1_scale, self.ln1_bias, self.ln1_alpha), cfg)
         q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
                                   for a in self.qkv(h_BTD, positions_BT, cfg, mm, lora_key))
-        if kv is None:
+        if cache_write is None:
             k_BSGK, v_BSGK, impl = k_BTGK, v_BTGK, rt.attention
         else:
-            new_kv = tuple(new.astype(c.dtype) for c, new in zip(kv, (k_BTGK, v_BTGK)))
-            k_BSGK, v_BSGK = (write_cache(c, new, cache_index) for c, new in zip(kv, new_kv))
-            kv, impl = new_kv, rt.cached_attention
+            (k_BSGK, v_BSGK), impl = cache_write(k_BTGK, v_BTGK), rt.cached_attention
         groups = cfg.n_head // cfg.kv_heads  # each key/value head serves `groups` query heads
         k_BSHK, v_BSHK = (jnp.repeat(a, groups, axis=2) if groups > 1 else a for a in (k_BSGK, v_BSGK))
         y_BTHK = attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl, cpu_layouts=rt.cpu_layouts,
@@ -316,7 +341,7 @@ class Block(nnx.Module):
             mlp_BTD, stats = self.experts(h_BTD, cfg, rt, capacity_factor)
         else:
             mlp_BTD, stats = self.mlp(h_BTD, cfg, mm, lora_key), None
-        return x_BTD + dropout(mlp_BTD, rt.dropout, keys[2]), kv, stats
+        return x_BTD + dropout(mlp_BTD, rt.dropout, keys[2]), stats
 
 
 def _stack_blocks(cfg: ModelConfig, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None, *,
@@ -426,10 +451,10 @@ class GPT(nnx.Module):
                 layer_key = None if key is None else jax.random.fold_in(key, layer)
                 block = nnx.merge(graphdefs[moe], jax.tree.map(lambda a: a[seen[moe]], states[moe]))
                 seen[moe] += 1
-                kv = None if kv_group is None else (kv_group[0][j], kv_group[1][j])
-                x_BTD, kv, s = block(x_BTD, kv, positions_BT, mask_BTS, index, cfg, rt, layer_key,
-                                     capacity_factor)
-                new_kv.append(kv)
+                write = None if kv_group is None else \
+                    functools.partial(_write_group_layer, kv_group, j, index, new_kv)
+                x_BTD, s = block(x_BTD, write, positions_BT, mask_BTS, cfg, rt, layer_key,
+                                 capacity_factor)
                 stats = s if moe else stats
             kv_group = None if kv_group is None else tuple(jnp.stack(parts) for parts in zip(*new_kv))
             return x_BTD, (kv_group, stats)
@@ -450,17 +475,14 @@ class GPT(nnx.Module):
         """`_layers` over unstacked blocks (`for_decoding`): each layer's weights are arrays of
         their own. Returns x, the cache and the MoE layers' stacked routing figures."""
         cfg, rt = self.cfg, self.rt
-        index = None if cache is None else cache.index
-        new_kv, stats = [], []
+        held, stats = [cache], []  # the cache as each layer's write leaves it
         for layer, block in enumerate(self.blocks):
             layer_key = None if key is None else jax.random.fold_in(key, layer)
-            kv = None if cache is None else (cache.k_LBSHK[layer], cache.v_LBSHK[layer])
-            x_BTD, kv, s = block(x_BTD, kv, positions_BT, mask_BTS, index, cfg, rt, layer_key,
-                                 capacity_factor)
-            new_kv.append(kv)
+            write = None if cache is None else functools.partial(_write_layer, held, layer)
+            x_BTD, s = block(x_BTD, write, positions_BT, mask_BTS, cfg, rt, layer_key, capacity_factor)
             stats += [s] if s is not None else []
         if cache is not None:
-            cache = advance_cache(cache, *(jnp.stack(parts) for parts in zip(*new_kv)))
+            cache = held[0]._replace(index=cache.index + x_BTD.shape[1])
         return x_BTD, cache, (jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None)
 
 

@@ -36,6 +36,29 @@ class SamplingSettings:
 # ----------------------------------------------------------------------------- filters
 
 
+def _nucleus(sorted_BK: jax.Array, top_p: float) -> jax.Array:
+    """Logits sorted in descending order with every entry past the top-p nucleus set to -inf: an
+    entry is kept while the mass of the entries before it is below p (the first always is)."""
+    probs_BK = jax.nn.softmax(sorted_BK, axis=-1)
+    before_BK = jnp.cumsum(probs_BK, axis=-1) - probs_BK  # mass of strictly more likely tokens
+    return jnp.where(before_BK < top_p, sorted_BK, -jnp.inf)
+
+
+def _top_p(logits_BV: jax.Array, top_p: float) -> jax.Array:
+    """Top-p over the whole vocabulary (a stable sort, so equal logits rank by index)."""
+    order_BV = jnp.argsort(-logits_BV, axis=-1, stable=True)
+    kept_BV = _nucleus(jnp.take_along_axis(logits_BV, order_BV, axis=-1), top_p)
+    rows_B1 = jnp.arange(logits_BV.shape[0])[:, None]
+    return jnp.full_like(logits_BV, -jnp.inf).at[rows_B1, order_BV].set(kept_BV)
+
+
+def _top_k(logits_BV: jax.Array, top_k: int, top_p: float) -> tuple[jax.Array, jax.Array]:
+    """The top_k largest logits in descending order (ties: lower index first) with top-p applied
+    to them, and their vocabulary indices [B, k]."""
+    vals_Bk, idx_Bk = jax.lax.top_k(logits_BV, top_k)
+    return (_nucleus(vals_Bk, top_p) if top_p < 1.0 else vals_Bk), idx_Bk
+
+
 def filter_logits(logits_BV: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
     """Logits / temperature, then top-k, then top-p; removed entries become -inf.
 
@@ -45,24 +68,22 @@ def filter_logits(logits_BV: jax.Array, temperature: float, top_k: int, top_p: f
     """
     logits_BV = logits_BV.astype(jnp.float32) / temperature
     B, V = logits_BV.shape
-    rows = jnp.arange(B)[:, None]
     if 0 < top_k < V:
-        _, idx_Bk = jax.lax.top_k(logits_BV, top_k)
-        keep_BV = jnp.zeros((B, V), bool).at[rows, idx_Bk].set(True)
-        logits_BV = jnp.where(keep_BV, logits_BV, -jnp.inf)
-    if top_p < 1.0:
-        order_BV = jnp.argsort(-logits_BV, axis=-1, stable=True)
-        probs_BV = jax.nn.softmax(jnp.take_along_axis(logits_BV, order_BV, axis=-1), axis=-1)
-        before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass of strictly more likely tokens
-        keep_sorted_BV = before_BV < top_p
-        keep_BV = jnp.zeros((B, V), bool).at[rows, order_BV].set(keep_sorted_BV)
-        logits_BV = jnp.where(keep_BV, logits_BV, -jnp.inf)
-    return logits_BV
+        vals_Bk, idx_Bk = _top_k(logits_BV, top_k, top_p)
+        return jnp.full((B, V), -jnp.inf).at[jnp.arange(B)[:, None], idx_Bk].set(vals_Bk)
+    return _top_p(logits_BV, top_p) if top_p < 1.0 else logits_BV
 
 
 def sample_token(key: jax.Array, logits_BV: jax.Array, s: SamplingSettings) -> jax.Array:
+    """A token per row from the filtered distribution (`filter_logits`); greedy at temperature 0.
+    With top-k the draw is among the k kept entries only: the same distribution, without noise
+    drawn for, and a pass over, the whole vocabulary per token."""
     if s.temperature == 0.0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    if 0 < s.top_k < logits_BV.shape[-1]:
+        vals_Bk, idx_Bk = _top_k(logits_BV.astype(jnp.float32) / s.temperature, s.top_k, s.top_p)
+        pick_B1 = jax.random.categorical(key, vals_Bk, axis=-1)[:, None]
+        return jnp.take_along_axis(idx_Bk, pick_B1, axis=-1)[:, 0].astype(jnp.int32)
     filtered = filter_logits(logits_BV, s.temperature, s.top_k, s.top_p)
     return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
 

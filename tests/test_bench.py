@@ -31,11 +31,12 @@ def test_bench_train_smoke():
 
 
 def test_bench_sample_smoke():
-    out = _run("sample.py", "--configs=tiny", "--batches=1,2", "--new_tokens=4", "--reps=1")
+    out = _run("sample.py", "--configs=tiny", "--batches=1,2", "--new_tokens=4", "--reps=1", "--transformers")
     rows = out["results"]
     assert [r["batch"] for r in rows] == [1, 2]
-    for k in ("prefill_ms", "decode_tokens_per_sec", "baseline_tokens_per_sec", "speedup"):
+    for k in ("prefill_ms", "decode_tokens_per_sec", "baseline_tokens_per_sec", "speedup", "read_util"):
         assert k in rows[0]
+    assert all(r["transformers_tokens_per_sec"] > 0 and r["vs_transformers"] > 0 for r in rows)
     assert rows[0]["baseline_tokens_per_sec"] > 0 and rows[1]["baseline_tokens_per_sec"] is None
 
 
@@ -87,7 +88,7 @@ def test_bench_moe_smoke(tmp_path):
 
 def test_profile_reports_device_time():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "profile.py"), "train", "--preset=tiny",
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_time.py"), "train", "--preset=tiny",
                         "--steps=2", "--top=5"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpt.metrics import (MetricsLog, Throughput, device_name, measure_copy_gbps, measure_matmul_tflops,
-                         to_host, vendor_peak_tflops)
+                         measure_read_gbps, to_host, vendor_peak_tflops)
 
 
 def test_throughput_arithmetic():
@@ -58,6 +58,7 @@ def test_plot_and_tensorboard_events(tmp_path):
 def test_measured_ceilings_and_names_are_sane():
     assert 0 < measure_matmul_tflops(jnp.float32, n=128, reps=2) < 1e4
     assert 0 < measure_copy_gbps(n_bytes=1 << 20, reps=2) < 1e5
+    assert 0 < measure_read_gbps(n_bytes=1 << 20, reps=2) < 1e5
     assert device_name()
     assert vendor_peak_tflops("float32") is None or vendor_peak_tflops("float32") > 0
     assert to_host({"a": jnp.array(1.5), "b": np.float32(2)}) == {"a": 1.5, "b": 2.0}

@@ -180,3 +180,15 @@ def test_generate_is_usable_inside_jit(model):
 
     out = f(params, prompt, start, jax.random.key(0))
     assert out.shape == (2, 11)
+
+
+def test_decode_writes_the_cache_in_place(model):
+    """The compiled decode loop writes each token's keys/values into the cache without copying the
+    whole cache (such copies, twice per token for keys and for values, took about a sixth of a
+    GPT-2 decode step on CPU; BENCHMARKS.md)."""
+    sampler = Sampler(model, SamplingSettings(max_new_tokens=8, temperature=1.0, top_k=5))
+    state = sampler.start([[1, 2, 3]], jax.random.key(0))
+    hlo = sampler._decode.lower(sampler.params, state, 8).compile().as_text()
+    cache_type = "f32[{}]".format(",".join(map(str, state.cache.k_LBSHK.shape)))
+    copies = [line for line in hlo.splitlines() if f"= {cache_type}" in line and " copy(" in line]
+    assert not copies, copies[:2]

@@ -1,7 +1,7 @@
 """Where a step's time goes: device time per XLA op and per kernel, from a jax.profiler trace.
 
-    python bench/profile.py train [--key=value ...] [--steps=N]    # a training step (bench/train.py's)
-    python bench/profile.py decode [--config=gpt2] [--batch=1] [--new_tokens=64] [--weights=compute]
+    python bench/kernel_time.py train [--key=value ...] [--steps=N]    # a training step (bench/train.py's)
+    python bench/kernel_time.py decode [--config=gpt2] [--batch=1] [--new_tokens=64] [--weights=compute]
 
 It traces a few steps after warm-up and prints the ops and kernels that take the most device time
 (per step), grouped into matmuls, attention, fusions (elementwise/reductions), copies and the rest,
