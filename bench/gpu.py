@@ -110,8 +110,10 @@ def why_failed(rc: int, text: str) -> str:
 
 
 def part_tests(r: Runner, sz: dict) -> dict:
-    rc, text, sec = r.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider",
-                           "tests/test_gpu.py"])
+    # addopts emptied: the project's own (-n 2, pytest-xdist) would run two processes on one GPU, and
+    # the device image need not have xdist
+    rc, text, sec = r.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu",
+                           "-p", "no:cacheprovider", "tests/test_gpu.py"])
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text)}
     return {"exit": rc, "seconds": sec, **counts,
             "failures": re.findall(r"^FAILED (.*)$", text, flags=re.M)}
