@@ -36,12 +36,12 @@ class SamplingSettings:
 # ----------------------------------------------------------------------------- filters
 
 
-def _nucleus(sorted_BK: jax.Array, top_p: float) -> jax.Array:
+def _nucleus(sorted_BV: jax.Array, top_p: float) -> jax.Array:
     """Logits sorted in descending order with every entry past the top-p nucleus set to -inf: an
     entry is kept while the mass of the entries before it is below p (the first always is)."""
-    probs_BK = jax.nn.softmax(sorted_BK, axis=-1)
-    before_BK = jnp.cumsum(probs_BK, axis=-1) - probs_BK  # mass of strictly more likely tokens
-    return jnp.where(before_BK < top_p, sorted_BK, -jnp.inf)
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass of strictly more likely tokens
+    return jnp.where(before_BV < top_p, sorted_BV, -jnp.inf)
 
 
 def _top_p(logits_BV: jax.Array, top_p: float) -> jax.Array:
