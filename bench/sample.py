@@ -19,7 +19,7 @@ token); float32 keeps them as trained. Each row also gives the memory-bandwidth 
 step (the bytes it must read: the weights as held plus the keys/values written so far, at the
 average context of the run, over the copy bandwidth measured in the same run) and the fraction of
 it reached (`bw_util`): batch-1 decoding is bound by reading the weights, not by FLOPs. The same
-bound at the read-only bandwidth (a sum over 256 MiB, measured alongside: a read stream need not
+bound at the read-only bandwidth (`measure_read_gbps`, measured alongside: a read stream need not
 reach the copy figure, which counts reads and writes together) is `read_bound_ms` / `read_util`.
 --transformers also times Hugging Face `generate` (test-only torch, CPU) on a randomly initialised
 GPT2LMHeadModel of each config's shape, same batch, prompt length, new tokens, temperature 1 and
@@ -130,7 +130,7 @@ def bench_config(name: str, args) -> list[dict]:
         if args.transformers:
             t_hf = time_transformers(cfg, B, P, N, args.reps)
             row["transformers_tokens_per_sec"] = B * N / t_hf
-            row["vs_transformers"] = t_hf / t_dec
+            row["vs_transformers"] = t_hf / (t_pf + t_dec)  # generate includes its prefill
         if B in args.baseline_batches:
             nb = args.baseline_tokens or N
             sb = SamplingSettings(max_new_tokens=nb, temperature=1.0, top_k=200)

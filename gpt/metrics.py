@@ -90,19 +90,21 @@ def measure_copy_gbps(n_bytes: int | None = None, reps: int = 10) -> float:
 
 
 def measure_read_gbps(n_bytes: int | None = None, reps: int = 10) -> float:
-    """Best achieved bandwidth (GB/s) of a read-only pass (a sum) over a float32 array on one
-    device, the same sizes as `measure_copy_gbps`. Batch-1 decoding only reads its weights, and a
-    read stream need not reach the copy figure, which counts reads and writes together."""
+    """Best achieved bandwidth (GB/s) of a read-only pass over a float32 array on one device (the
+    sizes of `measure_copy_gbps`): the better of a sum and a matrix-vector product, the op batch-1
+    decoding reads its weights with (XLA:CPU may run a sum on one thread). A read stream need not
+    reach the copy figure, which counts reads and writes together."""
     if n_bytes is None:
         n_bytes = (256 << 20) if jax.default_backend() == "cpu" else (1 << 30)
-    x = jnp.ones((n_bytes // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    f(x).block_until_ready()
+    x = jnp.ones((n_bytes // 4 // 1024, 1024), jnp.float32)
+    v = jnp.ones((1024,), jnp.float32)
     best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
+    for f in (jax.jit(lambda x, v: jnp.sum(x)), jax.jit(lambda x, v: x @ v)):
+        f(x, v).block_until_ready()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f(x, v).block_until_ready()
+            best = min(best, time.perf_counter() - t0)
     return n_bytes / best / 1e9
 
 
