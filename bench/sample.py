@@ -413,7 +413,8 @@ def main(argv: list[str]) -> int:
     speculative = bench_speculative(args) if args.speculative else None
     print(json.dumps({"device": device, "jax": jax.__version__, "prompt_len": args.prompt_len,
                       "new_tokens": args.new_tokens, "weights": args.weights,
-                      "copy_gbps": args.copy_gbps, "read_gbps": args.read_gbps, "results": rows, "speculative": speculative}))
+                      "copy_gbps": args.copy_gbps, "read_gbps": args.read_gbps, "results": rows,
+                      "speculative": speculative}))
     import shutil
     shutil.rmtree(cache_dir, ignore_errors=True)
     return 0

@@ -52,6 +52,19 @@ def vendor_peak_tflops(dtype: str) -> float | None:
     return None
 
 
+def _best_seconds(f, args: tuple, reps: int, feed: bool = False) -> float:
+    """The best wall time of `f(*args)` over `reps` calls after a warm-up (compilation). `feed`: f
+    donates its one argument, so each call takes the previous call's output."""
+    out = f(*args).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        args = (out,) if feed else args
+        t0 = time.perf_counter()
+        out = f(*args).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_matmul_tflops(dtype, n: int | None = None, reps: int = 10) -> float:
     """Best achieved TFLOP/s of an n x n `a @ b` with float32 accumulation on one device."""
     if n is None:
@@ -60,33 +73,27 @@ def measure_matmul_tflops(dtype, n: int | None = None, reps: int = 10) -> float:
     a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
     b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
     f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
-    f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e12
+    return 2 * n**3 / _best_seconds(f, (a, b), reps) / 1e12
+
+
+def _bandwidth_bytes(n_bytes: int | None) -> int:
+    """1 GiB on accelerators (far past any cache), 256 MiB on CPU."""
+    if n_bytes is not None:
+        return n_bytes
+    return (256 << 20) if jax.default_backend() == "cpu" else (1 << 30)
 
 
 def measure_copy_gbps(n_bytes: int | None = None, reps: int = 10) -> float:
     """Best achieved memory bandwidth (GB/s, bytes read + bytes written) of an elementwise pass
     over a float32 array on one device: the ceiling that memory-bound work such as batch-1 decoding
-    is held to. 1 GiB on accelerators (far past any cache), 256 MiB on CPU."""
-    if n_bytes is None:
-        n_bytes = (256 << 20) if jax.default_backend() == "cpu" else (1 << 30)
+    is held to."""
+    n_bytes = _bandwidth_bytes(n_bytes)
     x = jnp.ones((n_bytes // 4,), jnp.float32)
     # A real pass (XLA cannot elide a scaling), in place: a fresh output would be mapped and
     # page-faulted in by the host allocator on every call, which on CPU measured a quarter of the
     # bandwidth that the same pass over memory already mapped reaches.
     f = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
-    x = f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x = f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n_bytes / best / 1e9
+    return 2 * n_bytes / _best_seconds(f, (x,), reps, feed=True) / 1e9
 
 
 def measure_read_gbps(n_bytes: int | None = None, reps: int = 10) -> float:
@@ -94,17 +101,10 @@ def measure_read_gbps(n_bytes: int | None = None, reps: int = 10) -> float:
     sizes of `measure_copy_gbps`): the better of a sum and a matrix-vector product, the op batch-1
     decoding reads its weights with (XLA:CPU may run a sum on one thread). A read stream need not
     reach the copy figure, which counts reads and writes together."""
-    if n_bytes is None:
-        n_bytes = (256 << 20) if jax.default_backend() == "cpu" else (1 << 30)
+    n_bytes = _bandwidth_bytes(n_bytes)
     x = jnp.ones((n_bytes // 4 // 1024, 1024), jnp.float32)
     v = jnp.ones((1024,), jnp.float32)
-    best = float("inf")
-    for f in (jax.jit(lambda x, v: jnp.sum(x)), jax.jit(lambda x, v: x @ v)):
-        f(x, v).block_until_ready()
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f(x, v).block_until_ready()
-            best = min(best, time.perf_counter() - t0)
+    best = min(_best_seconds(jax.jit(jnp.sum), (x,), reps), _best_seconds(jax.jit(jnp.matmul), (x, v), reps))
     return n_bytes / best / 1e9
 
 

@@ -149,14 +149,15 @@ def write_cache(cache_xBSGK: jax.Array, new_xBTGK: jax.Array, index: jax.Array,
     a cache that has one ([L, B, S, G, K])."""
     S, T = cache_xBSGK.shape[-3], new_xBTGK.shape[-3]
     new_xBTGK = new_xBTGK.astype(cache_xBSGK.dtype)
-    lead = () if layer is None else (layer,)
     if jnp.ndim(index) == 0:
-        new_xBTGK = new_xBTGK if layer is None else new_xBTGK[None]
         at = (0,) * (cache_xBSGK.ndim - 3) + (index % S, 0, 0)
-        return jax.lax.dynamic_update_slice(cache_xBSGK, new_xBTGK, (*lead, *at[len(lead):]))
+        if layer is not None:
+            new_xBTGK, at = new_xBTGK[None], (layer, *at[1:])
+        return jax.lax.dynamic_update_slice(cache_xBSGK, new_xBTGK, at)
     slots_BT = jnp.mod(index[:, None] + jnp.arange(T), S)
     rows_B1 = jnp.arange(index.shape[0])[:, None]
-    return cache_xBSGK.at[(*lead, Ellipsis, rows_B1, slots_BT, slice(None), slice(None))].set(new_xBTGK)
+    lead = () if layer is None else (layer,)
+    return cache_xBSGK.at[(*lead, ..., rows_B1, slots_BT, slice(None), slice(None))].set(new_xBTGK)
 
 
 def advance_cache(cache: KVCache, k_LBTGK: jax.Array, v_LBTGK: jax.Array) -> KVCache:
