@@ -179,8 +179,9 @@ def time_transformers(cfg: ModelConfig, B: int, P: int, N: int, reps: int) -> fl
         import torch
         import transformers
     except ImportError:
-        sys.exit("error: --transformers needs torch and transformers "
-                 "(pip install -r requirements-test.txt)")
+        print("error: --transformers needs torch and transformers (pip install -r requirements-test.txt)",
+              file=sys.stderr)
+        sys.exit(2)
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
     hf_cfg = transformers.GPT2Config(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
