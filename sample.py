@@ -48,6 +48,8 @@ def main(argv: Sequence[str]) -> int:
     import jax
 
     from gpt.checkpoint import load_model
+    from gpt.runtime import use_compilation_cache
+    use_compilation_cache()
     from gpt.sampling import rolls
 
     model, meta, tok = load_model(cfg.out_dir, cfg.dtype)

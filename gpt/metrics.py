@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -69,9 +70,10 @@ def measure_matmul_tflops(dtype, n: int | None = None, reps: int = 10) -> float:
     """Best achieved TFLOP/s of an n x n `a @ b` with float32 accumulation on one device."""
     if n is None:
         n = 1024 if jax.default_backend() == "cpu" else 8192
-    ka, kb = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
-    b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
+    # Constant operands: a dense matmul's speed does not depend on the values, and random ones
+    # cost a compilation of the random-number generator (0.3 s on CPU) at every training start.
+    a = jnp.full((n, n), 0.5, dtype)
+    b = jnp.full((n, n), 0.25, dtype)
     f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     return 2 * n**3 / _best_seconds(f, (a, b), reps) / 1e12
 
@@ -161,11 +163,7 @@ class MetricsLog:
             for events in self.out_dir.glob("events.out.tfevents.*"):
                 events.unlink()
         if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-                self.writer = SummaryWriter(str(self.out_dir), flush_secs=30)
-            except ImportError:  # optional: training works without it
-                self.writer = None
+            self.writer = _tensorboard_writer(self.out_dir)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -186,13 +184,12 @@ class MetricsLog:
         """Redraw loss.png from metrics.jsonl (train loss per log step, train/val loss per eval)."""
         if not self.enabled:
             return
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # not pyplot: no global state, no GUI backend
         recs = self.records()
         train = [(r["step"], r["loss"]) for r in recs if r.get("kind") == "train"]
         evals = [r for r in recs if r.get("kind", "eval") == "eval"]
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig = Figure(figsize=(7, 4))
+        ax = fig.subplots()
         if train:
             ax.plot(*zip(*train), color="0.7", lw=1, label="train (batch)")
         if evals:
@@ -206,12 +203,29 @@ class MetricsLog:
         fig.tight_layout()
         tmp = self.out_dir / ".loss.png.tmp"
         fig.savefig(tmp, format="png", dpi=100)
-        plt.close(fig)
         os.replace(tmp, self.out_dir / "loss.png")
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _tensorboard_writer(out_dir: Path) -> Any:
+    """tensorboardX's SummaryWriter (None without tensorboardX). Where torch is installed,
+    tensorboardX imports it at import time, only to accept torch tensors (we log floats): 1.3-1.7 s
+    of every training start on a 2-core CPU. So torch is hidden while tensorboardX loads (an import
+    of it fails there and tensorboardX goes on without it), and visible again right after."""
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # "import torch" raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:  # optional: training works without it
+        return None
+    finally:
+        if hide:
+            del sys.modules["torch"]
+    return SummaryWriter(str(out_dir), flush_secs=30)
 
 
 def _scalars(record: dict[str, Any], prefix: str):

@@ -12,7 +12,11 @@ import ctypes
 import ctypes.util
 import dataclasses
 import functools
+import hashlib
+import importlib.util
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -41,7 +45,8 @@ class Runtime:
 
 CPU_BF16_ENV = "GPT_CPU_BF16"  # 1/0 overrides the detection (the tests pin float32 with 0)
 KEEP_MEMORY_ENV = "GPT_KEEP_HOST_MEMORY"  # 0 leaves glibc's allocator as it is (for comparisons)
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters (glibc malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4  # mallopt parameters (glibc malloc.h)
+_HEAP_MAX = 64 << 20  # glibc's largest heap of a thread's arena (64-bit)
 
 
 def cpu_flags() -> set[str]:
@@ -74,8 +79,13 @@ def keep_host_memory() -> bool:
     fresh mmap and unmaps them on free, so every step page-faulted its whole working set in again:
     the 4-layer default step took 1.7x as long as with the block reused, and a 3-layer model was
     slower per layer than a 2-layer one (BENCHMARKS.md). With mmap off and the trim threshold at
-    1 GiB the heap keeps the block between calls. Once per process, before the first step; other
-    C libraries (musl, macOS) are left alone.
+    1 GiB the heap keeps the block between calls. XLA's worker threads allocate from arenas of
+    their own, made of heaps of at most 64 MB: a block that does not fit the first heap goes to a
+    second one, which glibc unmaps as soon as it is empty whatever the trim threshold, unless the
+    top pad is at least a heap's size; without that pad, whole 250-step stretches of the default
+    run faulted ~30,000 pages a second and ran 20% slower. The pad reserves address space, not
+    memory: pages are touched only when used. Once per process, before the first step; other C
+    libraries (musl, macOS) are left alone.
     """
     if os.environ.get(KEEP_MEMORY_ENV) == "0":
         return False
@@ -84,7 +94,63 @@ def keep_host_memory() -> bool:
         libc.gnu_get_libc_version  # glibc only: mallopt's parameters below are its own
     except (OSError, AttributeError):
         return False
-    return all(libc.mallopt(p, v) for p, v in ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 1 << 30)))
+    settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, _HEAP_MAX))
+    return all(libc.mallopt(p, v) for p, v in settings)
+
+
+CACHE_ENV = "GPT_COMPILATION_CACHE"  # a folder for compiled programs, or 0 to compile every run afresh
+CACHE_MAX_BYTES = 2 << 30  # least recently used entries go beyond this
+CACHE_MIN_COMPILE_SEC = 0.3  # programs that compile faster than this are not worth a file
+
+
+def compilation_cache_dir() -> Path | None:
+    """Where `use_compilation_cache` keeps compiled programs: $GPT_COMPILATION_CACHE, else
+    $XDG_CACHE_HOME/gpt-jax/xla (default ~/.cache/gpt-jax/xla), in a subfolder per CPU feature
+    set: JAX's cache key names the device kind ("cpu") but not the instruction set, so a home
+    folder shared by an AVX-512 and an AVX2 machine must not hand one's code to the other."""
+    env = os.environ.get(CACHE_ENV)
+    if env in ("0", "off", "false"):
+        return None
+    if env:
+        base = Path(env).expanduser()
+    else:
+        try:
+            base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-jax" / "xla"
+        except RuntimeError:  # no home directory to expand
+            return None
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    return base / f"cpu-{flags}"
+
+
+def use_compilation_cache() -> Path | None:
+    """Keep compiled programs on disk between runs (JAX's persistent compilation cache).
+
+    A first `python train.py` spends seconds compiling its init, train and eval steps, as long as
+    hundreds of steps of the default model; a second run with the same shapes loads them back
+    (BENCHMARKS.md). Called once by train.py and sample.py before anything compiles; a
+    JAX_COMPILATION_CACHE_DIR of the user's own wins. A folder that cannot be written is a warning
+    and the run compiles as before. Returns the folder in use, or None.
+    """
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
+        return Path(os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir)
+    path = compilation_cache_dir()
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        print(f"warning: no compilation cache ({path}: {e.strerror or e}); every run compiles afresh. "
+              f"Set {CACHE_ENV}=DIR to a writable folder, or {CACHE_ENV}=0", file=sys.stderr)
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # else the user's (tests: 0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_SEC)
+    if importlib.util.find_spec("filelock"):  # JAX needs it to bound the cache (and to lock it)
+        jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
+    return path
 
 
 def compute_dtype(choice: str, backend: str | None = None) -> jnp.dtype:

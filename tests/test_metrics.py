@@ -2,12 +2,16 @@
 and the measured ceilings (values sane, never timed against a threshold)."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import REPO
 from gpt.metrics import (MetricsLog, Throughput, device_name, measure_copy_gbps, measure_matmul_tflops,
                          measure_read_gbps, to_host, vendor_peak_tflops)
 
@@ -53,6 +57,20 @@ def test_plot_and_tensorboard_events(tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
     assert json.loads(log.path.read_text().splitlines()[0])["lr"] == 1e-3
+
+
+def test_tensorboard_events_without_loading_torch(tmp_path):
+    """tensorboardX imports torch where it is installed (1.3-1.7 s of every training start on a
+    2-core CPU); the metrics log keeps torch out, and leaves it importable afterwards."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed: nothing to keep out")
+    script = ("import sys; from gpt.metrics import MetricsLog; log = MetricsLog(sys.argv[1]); "
+              "log.write({'kind': 'train', 'step': 1, 'loss': 3.0}); log.close(); "
+              "print('torch' in sys.modules); import torch; print(torch.ones(1).item())")
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["False", "1.0"], r.stderr
+    assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
 
 
 def test_measured_ceilings_and_names_are_sane():

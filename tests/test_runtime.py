@@ -2,12 +2,17 @@
 by argument (the backend) and by the GPT_CPU_BF16 override, never by patching the module."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax.numpy as jnp
 import pytest
 
-from helpers import tiny_model_config
+from helpers import REPO, tiny_model_config
 from gpt.config import ComputeConfig
-from gpt.runtime import compute_dtype, cpu_flags, cpu_native_bf16, dtype_note, resolve
+from gpt.runtime import (compilation_cache_dir, compute_dtype, cpu_flags, cpu_native_bf16, dtype_note,
+                         resolve)
 
 
 @pytest.mark.parametrize("forced,want", [("1", jnp.bfloat16), ("0", jnp.float32)])
@@ -68,3 +73,30 @@ def test_cpu_steps_reuse_their_memory_instead_of_faulting_it_in():
         jax.block_until_ready(grad(params))
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4
     assert faults < 0.25 * temp_pages, (faults, temp_pages)
+
+
+def test_compilation_cache_folder(monkeypatch, tmp_path):
+    """$GPT_COMPILATION_CACHE (0: none), else $XDG_CACHE_HOME/gpt-jax/xla; always in a folder of
+    its own per CPU feature set, since JAX's cache key does not name the instruction set."""
+    monkeypatch.setenv("GPT_COMPILATION_CACHE", "0")
+    assert compilation_cache_dir() is None
+    monkeypatch.setenv("GPT_COMPILATION_CACHE", str(tmp_path / "mine"))
+    mine = compilation_cache_dir()
+    assert mine.parent == tmp_path / "mine" and mine.name.startswith("cpu-")
+    monkeypatch.delenv("GPT_COMPILATION_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compilation_cache_dir() == tmp_path / "gpt-jax" / "xla" / mine.name
+
+
+def test_unwritable_compilation_cache_is_one_warning(tmp_path):
+    """A cache folder that cannot be written costs a warning line, not the run."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(GPT_COMPILATION_CACHE=str(blocker / "cache"), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", "from gpt.runtime import use_compilation_cache as u; "
+                        "import jax; print(u(), jax.config.jax_compilation_cache_dir)"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["None", "None"], r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: no compilation cache") and "GPT_COMPILATION_CACHE" in lines[0]

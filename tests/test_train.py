@@ -1,5 +1,6 @@
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -165,6 +166,25 @@ def test_cli_errors_are_one_line(tmp_path, args, needle):
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_cli_keeps_compiled_programs_for_the_next_run(tmp_path, char_data):
+    """train.py keeps its compiled programs in $GPT_COMPILATION_CACHE: a second run of the same
+    shapes finds every one of them there (no new entries) and trains exactly as the first."""
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(GPT_COMPILATION_CACHE=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    args = ["--preset=tiny", f"--data_dir={char_data}", "--no_progress", "--max_iters=4", "--eval_interval=4"]
+    first = _cli(*args, f"--out_dir={tmp_path / 'a'}", env=env)
+    assert first.returncode == 0, first.stderr
+    entries = sorted(cache.glob("cpu-*/*-cache"))
+    assert any(p.name.startswith("jit_step_fn-") for p in entries), entries
+    second = _cli(*args, f"--out_dir={tmp_path / 'b'}", env=env)
+    assert second.returncode == 0 and "warning" not in second.stderr.lower(), second.stderr
+    assert sorted(cache.glob("cpu-*/*-cache")) == entries
+    evals = [[r for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
+              if r["kind"] == "eval"] for d in "ab"]
+    assert [e["val_loss"] for e in evals[0]] == [e["val_loss"] for e in evals[1]]
 
 
 def test_sigterm_saves_and_exits_zero_then_resume(tmp_path, char_data):
