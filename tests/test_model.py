@@ -14,6 +14,12 @@ def make(cfg, seed=0, **compute):
     return tiny_gpt(cfg, seed, **compute)
 
 
+# One compiled forward per shape: the eager model dispatches op by op and compiles each op
+# on first use, tens of seconds for a decoding loop on a 2-core CPU.
+forward = nnx.jit(lambda model, x: model(x))
+forward_cached = nnx.jit(lambda model, x, cache: model(x, cache=cache))
+
+
 def tokens(B, T, V, seed=1):
     return jax.random.randint(jax.random.key(seed), (B, T), 0, V)
 
@@ -67,12 +73,12 @@ def test_kv_cache_matches_full_forward():
     cfg = tiny_model_config()
     model = make(cfg)
     x = tokens(2, 20, 65)
-    full, _ = model(x)
+    full, _ = forward(model, x)
     cache = M.init_cache(cfg, 2, 32, jnp.float32)
-    out, cache = model(x[:, :7], cache=cache)
+    out, cache = forward_cached(model, x[:, :7], cache)
     parts = [out]
     for t in range(7, 20):
-        o, cache = model(x[:, t:t + 1], cache=cache)
+        o, cache = forward_cached(model, x[:, t:t + 1], cache)
         parts.append(o)
     assert int(cache.index) == 20
     got = jnp.concatenate(parts, axis=1)
@@ -184,13 +190,13 @@ def test_modern_block_cache_matches_full_forward(name):
     cfg = tiny_model_config(**MODERN[name])
     model = make(cfg)
     x = tokens(2, 20, 65)
-    full, _ = model(x)
+    full, _ = forward(model, x)
     cache = M.init_cache(cfg, 2, 32, jnp.float32)
     assert cache.k_LBSHK.shape[3] == cfg.kv_heads
-    out, cache = model(x[:, :7], cache=cache)
+    out, cache = forward_cached(model, x[:, :7], cache)
     parts = [out]
     for t in range(7, 20):
-        o, cache = model(x[:, t:t + 1], cache=cache)
+        o, cache = forward_cached(model, x[:, t:t + 1], cache)
         parts.append(o)
     got = jnp.concatenate(parts, axis=1)
     assert float(jnp.abs(got[..., :65] - full[..., :65]).max()) < 1e-4

@@ -33,13 +33,15 @@ def test_cached_greedy_equals_full_recompute(model):
 def test_cached_logits_match_full_forward(model):
     prompt = jnp.array([[3, 14, 15, 9, 2, 6]], jnp.int32)
     tokens = generate(model, prompt, jax.random.key(0), greedy(20))
-    full, _ = model(tokens)
-    # Re-run the cached path step by step and compare each step's logits with the full pass.
+    full, _ = nnx.jit(lambda m, x: m(x))(model, tokens)
+    # Re-run the cached path step by step and compare each step's logits with the full pass
+    # (compiled once per shape: eagerly, every op compiles on first use).
+    step = nnx.jit(lambda m, x, cache: m(x, cache=cache))
     cache = init_cache(model.cfg, 1, 32, model.rt.dtype)
-    logits, cache = model(tokens[:, :6], cache=cache)
+    logits, cache = step(model, tokens[:, :6], cache)
     steps = [logits[:, -1]]
     for t in range(6, tokens.shape[1] - 1):
-        logits, cache = model(tokens[:, t:t + 1], cache=cache)
+        logits, cache = step(model, tokens[:, t:t + 1], cache)
         steps.append(logits[:, -1])
     cached = jnp.stack(steps, axis=1)
     assert float(jnp.abs(cached[..., :65] - full[:, 5:-1, :65]).max()) < 1e-4
