@@ -193,8 +193,10 @@ def _value(p: nnx.Param | None):
     return None if p is None else p[...]
 
 
-def _bias(p: nnx.Param | None):
-    return 0.0 if p is None else p[...]
+def _add_bias(y: jax.Array, p: nnx.Param | None) -> jax.Array:
+    """y + bias in y's dtype: a matmul's bf16 product stays bf16 (as under PyTorch's autocast), so
+    what follows it (GELU, SwiGLU) and what autodiff keeps of it are bf16, not float32."""
+    return y if p is None else y + p[...].astype(y.dtype)
 
 
 def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -282,11 +284,11 @@ class Block(nnx.Module):
     def qkv(self, h_BTD, positions_BT, cfg: ModelConfig, mm, key=None):
         """Queries [B, T, H, K] and keys/values [B, T, G, K]: projected, QK-normed, rotated."""
         if self.w_qkv is not None:
-            qkv_BT3HK = self.linear("w_qkv", h_BTD, "btd,dchk->btchk", mm, key) + _bias(self.b_qkv)
+            qkv_BT3HK = _add_bias(self.linear("w_qkv", h_BTD, "btd,dchk->btchk", mm, key), self.b_qkv)
             q_BTHK, k_BTGK, v_BTGK = (qkv_BT3HK[:, :, i] for i in range(3))
         else:
-            q_BTHK = self.linear("w_q", h_BTD, "btd,dhk->bthk", mm, key) + _bias(self.b_q)
-            kv_BT2GK = self.linear("w_kv", h_BTD, "btd,dcgk->btcgk", mm, key) + _bias(self.b_kv)
+            q_BTHK = _add_bias(self.linear("w_q", h_BTD, "btd,dhk->bthk", mm, key), self.b_q)
+            kv_BT2GK = _add_bias(self.linear("w_kv", h_BTD, "btd,dcgk->btcgk", mm, key), self.b_kv)
             k_BTGK, v_BTGK = kv_BT2GK[:, :, 0], kv_BT2GK[:, :, 1]
         if cfg.qk_norm:  # per head, before the rotation (Qwen3)
             q_BTHK = rms_norm(q_BTHK, self.q_norm[...], cfg.norm_eps)
@@ -298,12 +300,12 @@ class Block(nnx.Module):
 
     def mlp(self, h_BTD, cfg: ModelConfig, mm, key=None):
         if cfg.mlp == "swiglu":
-            gu_BT2F = self.linear("w_fc", h_BTD, "btd,dcf->btcf", mm, key) + _bias(self.b_fc)
+            gu_BT2F = _add_bias(self.linear("w_fc", h_BTD, "btd,dcf->btcf", mm, key), self.b_fc)
             h_BTF = jax.nn.silu(gu_BT2F[:, :, 0]) * gu_BT2F[:, :, 1]
         else:
-            h_BTF = jax.nn.gelu(self.linear("w_fc", h_BTD, "btd,df->btf", mm, key) + _bias(self.b_fc),
-                                approximate=cfg.activation == "gelu_tanh")
-        return self.linear("w_proj", h_BTF, "btf,fd->btd", mm, key) + _bias(self.b_proj)
+            fc_BTF = _add_bias(self.linear("w_fc", h_BTD, "btd,df->btf", mm, key), self.b_fc)
+            h_BTF = jax.nn.gelu(fc_BTF, approximate=cfg.activation == "gelu_tanh")
+        return _add_bias(self.linear("w_proj", h_BTF, "btf,fd->btd", mm, key), self.b_proj)
 
     def experts(self, h_BTD, cfg: ModelConfig, rt: Runtime, capacity_factor: float
                 ) -> tuple[jax.Array, moe_lib.MoEStats]:
@@ -321,7 +323,8 @@ class Block(nnx.Module):
         capacity (gpt/moe.py; 0: no token dropped)."""
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
         lora_key = None if key is None else jax.random.fold_in(key, 3)  # the adapters' dropout
-        mm = lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp)
+        mm = lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp,
+                                      rt.matmul_out)
 
         h_BTD = normalize(x_BTD, _norm(self.ln1_scale, self.ln1_bias, self.ln1_alpha), cfg)
         q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
@@ -334,7 +337,7 @@ class Block(nnx.Module):
         k_BSHK, v_BSHK = (jnp.repeat(a, groups, axis=2) if groups > 1 else a for a in (k_BSGK, v_BSGK))
         y_BTHK = attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl, cpu_layouts=rt.cpu_layouts,
                            rate=rt.dropout, key=keys[0], block=rt.attention_block)
-        attn_BTD = self.linear("w_o", y_BTHK, "bthk,hkd->btd", mm, lora_key) + _bias(self.b_o)
+        attn_BTD = _add_bias(self.linear("w_o", y_BTHK, "bthk,hkd->btd", mm, lora_key), self.b_o)
         x_BTD = x_BTD + dropout(attn_BTD, rt.dropout, keys[1])
 
         h_BTD = normalize(x_BTD, _norm(self.ln2_scale, self.ln2_bias, self.ln2_alpha), cfg)
@@ -390,7 +393,8 @@ class GPT(nnx.Module):
 
     def __call__(self, idx_BT: jax.Array, *, cache: KVCache | None = None,
                  dropout_key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-        """Logits [B, T, V_padded] in float32 (padded entries are -inf), and the updated cache.
+        """Logits [B, T, V_padded] in `rt.matmul_out` (float32, or bf16 on a GPU/TPU computing in
+        bf16; padded entries are -inf), and the updated cache.
 
         With a cache, the tokens are written after the `cache.index` slots already filled and attend
         to those slots; without one, attention is causal over `idx_BT` alone. MoE layers drop no
@@ -422,7 +426,8 @@ class GPT(nnx.Module):
         x_BTD = normalize(x_BTD, _norm(self.lnf_scale, self.lnf_bias, self.lnf_alpha), cfg)
         rt = self.rt
         head = self.wte if self.w_head is None else self.w_head
-        logits_BTV = dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, rt.cpu_layouts, rt.dense_vjp)
+        logits_BTV = dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, rt.cpu_layouts, rt.dense_vjp,
+                           rt.matmul_out)
         valid_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
         return jnp.where(valid_V, logits_BTV, -jnp.inf), cache, stats
 

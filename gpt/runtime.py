@@ -40,6 +40,7 @@ class Runtime:
     scan_layers: bool = False  # rolled layer loop (else unrolled)
     attention_block: int = ATTENTION_BLOCK  # query rows per block of the blocked kernel
     dense_vjp: bool = True  # dense layers with the hand-written backward (False: plain autodiff)
+    matmul_out: Any = jnp.float32  # dtype the matmuls write (gpt/ops/dense.py); f32 accumulation
     mesh: Any = None  # the training mesh: MoE layers lay their dispatched tokens out on its expert axis
 
 
@@ -210,5 +211,5 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  attention=training_attention(c.attention, dtype, cfg.head_dim, backend),
                  cached_attention=_USER_ATTENTION.get(c.attention, "xla"),
                  cpu_layouts=backend == "cpu", dropout=c.dropout, remat=c.remat,
-                 scan_layers=c.scan_layers)
+                 scan_layers=c.scan_layers, matmul_out=jnp.float32 if backend == "cpu" else dtype)
     return dataclasses.replace(rt, **override)

@@ -37,6 +37,7 @@ from gpt import sharding
 from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, to_dict
 from gpt.errors import UserError
 from gpt.model import GPT, abstract_model, flops_per_token, num_params
+from gpt.ops.cross_entropy import cross_entropy  # noqa: F401 - also gpt.evaluate's
 from gpt.runtime import Runtime, dtype_note, resolve
 from gpt.tokenizer import REPO_ROOT, atomic_write_bytes, load_tokenizer
 
@@ -78,14 +79,6 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
     return optax.chain(clip, optax.adamw(lr_schedule(t), b1=t.beta1, b2=t.beta2,
                                          weight_decay=t.weight_decay, mask=decay_mask))
-
-
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in float32 (padded vocabulary entries are -inf, so excluded)."""
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return jnp.mean(lse_BT - target_logit_BT)
 
 
 def loss_fn(graphdef, params, x_BT, y_BT, dropout_key=None, frozen=None) -> jax.Array:

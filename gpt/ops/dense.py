@@ -16,17 +16,23 @@ import jax
 import jax.numpy as jnp
 
 
-def dense_reference(x: jax.Array, w: jax.Array, spec: str, dtype) -> jax.Array:
+def dense_reference(x: jax.Array, w: jax.Array, spec: str, dtype, out_dtype=jnp.float32) -> jax.Array:
     """The reference: a plain einsum differentiated by JAX (what `dense` must agree with)."""
-    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype), preferred_element_type=out_dtype)
 
 
 def dense(x: jax.Array, w: jax.Array, spec: str, dtype, cpu_layouts: bool = False,
-          custom_vjp: bool = True) -> jax.Array:
-    """`dense_reference` with the custom backward (specs it does not cover keep the reference)."""
+          custom_vjp: bool = True, out_dtype=jnp.float32) -> jax.Array:
+    """`dense_reference` with the custom backward (specs it does not cover keep the reference).
+
+    `out_dtype`: what the product is written in (accumulation is float32 either way). A bf16
+    result, as under PyTorch's autocast, halves the bytes of every activation between the matmuls
+    and the elementwise work around them; float32 keeps the extra bits (the CPU's choice, where
+    that traffic costs little next to the emulated or cache-blocked matmuls).
+    """
     if not custom_vjp or _plan(spec) is None:
-        return dense_reference(x, w, spec, dtype)
-    return _dense_vjp(x, w, spec, jnp.dtype(dtype), cpu_layouts)
+        return dense_reference(x, w, spec, dtype, out_dtype)
+    return _dense_vjp(x, w, spec, jnp.dtype(dtype), cpu_layouts, jnp.dtype(out_dtype))
 
 
 class _Plan(NamedTuple):
@@ -68,49 +74,50 @@ def physical_swap(a: jax.Array, cpu_layouts: bool) -> jax.Array:
         jnp.swapaxes(a, -1, -2).reshape(*lead, N * M)).reshape(*lead, N, M)
 
 
-def mm(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+def mm(a: jax.Array, b: jax.Array, spec: str, out_dtype=jnp.float32) -> jax.Array:
+    return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _dense_vjp(x, w, spec, dtype, cpu_layouts):
-    return _dense_fwd(x, w, spec, dtype, cpu_layouts)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _dense_vjp(x, w, spec, dtype, cpu_layouts, out_dtype):
+    return _dense_fwd(x, w, spec, dtype, cpu_layouts, out_dtype)[0]
 
 
-def _dense_fwd(x, w, spec, dtype, cpu_layouts):
+def _dense_fwd(x, w, spec, dtype, cpu_layouts, out_dtype):
     # Zero-size arrays carry the primal shapes and dtypes to the backward pass for free.
     shapes = (jnp.zeros((*x.shape, 0), x.dtype), jnp.zeros((*w.shape, 0), w.dtype))
     x, w = x.astype(dtype), w.astype(dtype)
     if not cpu_layouts:  # GPU/TPU matmuls take any layout; the original axes keep their sharding
-        return mm(x, w, spec), (x, w, shapes)
+        return mm(x, w, spec, out_dtype), (x, w, shapes)
     p = _plan(spec)
     n_free = len(p.x_free)
     x_MC = x.reshape(math.prod(x.shape[:n_free]), -1)
     w_t = jnp.transpose(w, p.w_perm)  # weight-sized; the identity for most specs
     w_CN = w_t.reshape(x_MC.shape[1], -1)
-    y = mm(x_MC, w_CN, "mc,cn->mn").reshape(*x.shape[:n_free], *w_t.shape[len(p.contract):])
+    y = mm(x_MC, w_CN, "mc,cn->mn", out_dtype).reshape(*x.shape[:n_free], *w_t.shape[len(p.contract):])
     return y, (x_MC, w_CN, shapes)
 
 
-def _dense_bwd(spec, dtype, cpu_layouts, res, g):
+def _dense_bwd(spec, dtype, cpu_layouts, out_dtype, res, g):
     """dx = g @ w.T and dw = x.T @ g in the compute dtype; on CPU as `a @ b` / `a @ b.T` products.
 
     The cotangent is rounded to the compute dtype (as it would be for a bf16 result). The weight
     gradient contracts over the M rows of both operands, the layout the CPU's fast kernels lack;
     there it is computed from a physically transposed copy of the narrower of x and g (an
     [M, min(C, N)] copy, cheap next to the 2*M*C*N FLOP product), and a weight-sized result is
-    transposed back.
+    transposed back. The input gradient is written in `out_dtype` (like the forward's product),
+    the weight gradient in float32.
     """
     x_res, w_res, (x_shape, w_shape) = res
     g = g.astype(dtype)
     if not cpu_layouts:
         xs, ws, out = spec.replace(" ", "").replace("->", ",").split(",")
-        dx, dw = mm(g, w_res, f"{out},{ws}->{xs}"), mm(x_res, g, f"{xs},{out}->{ws}")
+        dx, dw = mm(g, w_res, f"{out},{ws}->{xs}", out_dtype), mm(x_res, g, f"{xs},{out}->{ws}")
         return dx.astype(x_shape.dtype), dw.astype(w_shape.dtype)
     p = _plan(spec)
     (M, C), N = x_res.shape, w_res.shape[1]
     g_MN = g.reshape(M, N)
-    dx_MC = mm(g_MN, w_res, "mn,cn->mc")
+    dx_MC = mm(g_MN, w_res, "mn,cn->mc", out_dtype)
     # The barriers keep XLA from folding the transposes that follow into the dot by swapping its
     # operands, which would bring back the slow layout (and XLA:CPU's fallback dot has no
     # bf16 x bf16 -> f32 kernel: it fails at run time).

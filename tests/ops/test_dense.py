@@ -43,6 +43,27 @@ def test_custom_vjp_dense_matches_reference(spec, xs, ws, dtype, cpu_layouts):
         assert err < rtol, err
 
 
+@pytest.mark.parametrize("cpu_layouts", [True, False])
+@pytest.mark.parametrize("spec,xs,ws", SPECS[1:3])
+def test_bf16_products_are_the_rounded_float32_ones(spec, xs, ws, cpu_layouts):
+    """out_dtype=bf16 (the GPU's choice): the same products written in bf16, the input gradient
+    in bf16 before its cast back, the weight gradient still accumulated in float32."""
+    bf = jnp.dtype("bfloat16")
+    kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, xs, jnp.float32)
+    w = jax.random.normal(kw, ws, jnp.float32)
+    y1, vjp1 = jax.vjp(lambda x, w: D.dense(x, w, spec, bf, cpu_layouts, out_dtype=bf), x, w)
+    y2, vjp2 = jax.vjp(lambda x, w: D.dense_reference(x, w, spec, bf), x, w)
+    assert y1.dtype == bf and y2.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y2.astype(bf)))
+    g = jax.random.normal(kg, y2.shape, jnp.float32)
+    (dx1, dw1), (dx2, dw2) = vjp1(g.astype(bf)), vjp2(g)
+    assert dx1.dtype == x.dtype and dw1.dtype == w.dtype
+    for a, b in ((dx1, dx2), (dw1, dw2)):
+        err = float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        assert 0 < err < 2e-2, err
+
+
 def test_physical_swap_is_a_transpose():
     a = jnp.arange(2 * 3 * 5.0).reshape(2, 3, 5)
     for cpu in (True, False):
@@ -50,9 +71,11 @@ def test_physical_swap_is_a_transpose():
                                       np.asarray(jnp.swapaxes(a, -1, -2)))
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 5e-2)])
-def test_model_gradients_through_dense_match_reference(dtype, tol):
-    """The model takes the custom VJP; its gradients match plain autodiff's (to bf16 accuracy)."""
+@pytest.mark.parametrize("dtype,tol,out", [("float32", 1e-5, "float32"), ("bfloat16", 5e-2, "float32"),
+                                           ("bfloat16", 5e-2, "bfloat16")])
+def test_model_gradients_through_dense_match_reference(dtype, tol, out):
+    """The model takes the custom VJP; its gradients match plain autodiff's (to bf16 accuracy), also
+    with the matmuls writing bf16 (out, the GPU's choice) against the float32-writing reference."""
     cfg = tiny_model_config()
     params = nnx.state(GPT(cfg, rngs=nnx.Rngs(0)))
     x = jax.random.randint(jax.random.key(1), (2, 16), 0, 65)
@@ -62,7 +85,8 @@ def test_model_gradients_through_dense_match_reference(dtype, tol):
         logits, _ = nnx.merge(gd, p)(x)
         return jnp.mean(jax.nn.logsumexp(logits, -1))
 
-    custom, ref = tiny_runtime(cfg, dtype=dtype), tiny_runtime(cfg, dtype=dtype, dense_vjp=False)
+    custom = tiny_runtime(cfg, dtype=dtype, matmul_out=jnp.dtype(out))
+    ref = tiny_runtime(cfg, dtype=dtype, dense_vjp=False)
     assert custom.cpu_layouts and "name=_dense_vjp" in str(jax.make_jaxpr(loss, static_argnums=1)(
         params, custom))
     assert "name=_dense_vjp" not in str(jax.make_jaxpr(loss, static_argnums=1)(params, ref))
