@@ -245,7 +245,9 @@ def main(argv: list[str]) -> int:
         ap.error(f"unknown part(s) {', '.join(bad)} (choose from {', '.join(PARTS)})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", GPT_DATA_CACHE=tempfile.mkdtemp(prefix="gpu-data-"))
+    # No compilation cache: the curve's wall time includes its compiles, as on a first run.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", GPT_DATA_CACHE=tempfile.mkdtemp(prefix="gpu-data-"),
+               GPT_COMPILATION_CACHE="0")
     if args.size == "full":
         env["JAX_PLATFORMS"] = ""  # every platform (the tests' conftest pins unset ones to the CPU)
     r = Runner(out, args.timeout, env)

@@ -194,9 +194,10 @@ def _value(p: nnx.Param | None):
 
 
 def _add_bias(y: jax.Array, p: nnx.Param | None) -> jax.Array:
-    """y + bias in y's dtype: a matmul's bf16 product stays bf16 (as under PyTorch's autocast), so
-    what follows it (GELU, SwiGLU) and what autodiff keeps of it are bf16, not float32."""
-    return y if p is None else y + p[...].astype(y.dtype)
+    """y + bias, rounded back to y's dtype: a matmul's bf16 product stays bf16 (as under PyTorch's
+    autocast), so what follows it (GELU, SwiGLU) and what autodiff keeps of it are bf16, not
+    float32. The sum itself is float32, so the bias gradient (a sum over every row) is too."""
+    return y if p is None else (y.astype(jnp.float32) + p[...]).astype(y.dtype)
 
 
 def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
@@ -393,8 +394,8 @@ class GPT(nnx.Module):
 
     def __call__(self, idx_BT: jax.Array, *, cache: KVCache | None = None,
                  dropout_key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
-        """Logits [B, T, V_padded] in `rt.matmul_out` (float32, or bf16 on a GPU/TPU computing in
-        bf16; padded entries are -inf), and the updated cache.
+        """Logits [B, T, V_padded] (padded entries are -inf), and the updated cache. The logits are
+        float32 with a cache and otherwise in `rt.matmul_out` (bf16 on a GPU/TPU computing in bf16).
 
         With a cache, the tokens are written after the `cache.index` slots already filled and attend
         to those slots; without one, attention is causal over `idx_BT` alone. MoE layers drop no
@@ -426,8 +427,10 @@ class GPT(nnx.Module):
         x_BTD = normalize(x_BTD, _norm(self.lnf_scale, self.lnf_bias, self.lnf_alpha), cfg)
         rt = self.rt
         head = self.wte if self.w_head is None else self.w_head
-        logits_BTV = dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, rt.cpu_layouts, rt.dense_vjp,
-                           rt.matmul_out)
+        # Decoding writes float32 logits: a few rows, no backward to save memory for, and greedy
+        # picks are not left to bf16 ties.
+        out = jnp.float32 if cache is not None else rt.matmul_out
+        logits_BTV = dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, rt.cpu_layouts, rt.dense_vjp, out)
         valid_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
         return jnp.where(valid_V, logits_BTV, -jnp.inf), cache, stats
 

@@ -3,7 +3,9 @@
 `ComputeConfig` holds what the user asked for (`--dtype=auto`, `--attention=auto`, ...); `Runtime`
 holds what that resolves to on the current backend for a given architecture: the compute dtype, the
 attention kernel of the training/prefill path and of the cached (masked) path, whether to force the
-CPU's fast matmul layouts, and the per-run settings the model needs (dropout, remat, scan). The model receives a `Runtime` when it is built and passes its fields down as arguments,
+CPU's fast matmul layouts, the dtype the matmuls write (bf16 on GPU/TPU computing in bf16, as under
+PyTorch's autocast; float32 on CPU), and the per-run settings the model needs (dropout, remat,
+scan). The model receives a `Runtime` when it is built and passes its fields down as arguments,
 so no traced code asks which backend it runs on, and tests pick a kernel by building a `Runtime`.
 """
 from __future__ import annotations
@@ -40,7 +42,9 @@ class Runtime:
     scan_layers: bool = False  # rolled layer loop (else unrolled)
     attention_block: int = ATTENTION_BLOCK  # query rows per block of the blocked kernel
     dense_vjp: bool = True  # dense layers with the hand-written backward (False: plain autodiff)
-    matmul_out: Any = jnp.float32  # dtype the matmuls write (gpt/ops/dense.py); f32 accumulation
+    # dtype the dense layers' and the LM head's products are written in (gpt/ops/dense.py);
+    # float32 accumulation either way
+    matmul_out: Any = jnp.dtype("float32")
     mesh: Any = None  # the training mesh: MoE layers lay their dispatched tokens out on its expert axis
 
 
@@ -51,11 +55,12 @@ _HEAP_MAX = 64 << 20  # glibc's largest heap of a thread's arena (64-bit)
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
+    """The CPU's feature flags from /proc/cpuinfo: x86's "flags", Arm's "Features" (empty where
+    there is none, e.g. macOS)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     return set(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -102,6 +107,21 @@ def keep_host_memory() -> bool:
 CACHE_ENV = "GPT_COMPILATION_CACHE"  # a folder for compiled programs, or 0 to compile every run afresh
 CACHE_MAX_BYTES = 2 << 30  # least recently used entries go beyond this
 CACHE_MIN_COMPILE_SEC = 0.3  # programs that compile faster than this are not worth a file
+CACHE_OFF = ("0", "off", "false", "no", "none")
+
+
+def _private_folder(path: Path) -> str | None:
+    """Make `path` (mode 0700) and check it is this user's alone: JAX loads compiled code from the
+    cache and runs it, so a folder others can write to would let them run code in this process.
+    Returns what is wrong, or None."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not hasattr(os, "getuid"):
+        return None
+    for p in (path, path.parent):
+        st = p.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return f"{p} is not private to this user (owner or group/other write permission)"
+    return None
 
 
 def compilation_cache_dir() -> Path | None:
@@ -109,11 +129,11 @@ def compilation_cache_dir() -> Path | None:
     $XDG_CACHE_HOME/gpt-jax/xla (default ~/.cache/gpt-jax/xla), in a subfolder per CPU feature
     set: JAX's cache key names the device kind ("cpu") but not the instruction set, so a home
     folder shared by an AVX-512 and an AVX2 machine must not hand one's code to the other."""
-    env = os.environ.get(CACHE_ENV)
-    if env in ("0", "off", "false"):
+    env = (os.environ.get(CACHE_ENV) or "").strip()
+    if env.lower() in CACHE_OFF:
         return None
     if env:
-        base = Path(env).expanduser()
+        base = Path(env).expanduser().absolute()
     else:
         try:
             base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpt-jax" / "xla"
@@ -137,14 +157,21 @@ def use_compilation_cache() -> Path | None:
     path = compilation_cache_dir()
     if path is None:
         return None
+    unwritable = False
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        problem = _private_folder(path)
+        if problem is None:
+            probe = path / f".probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
     except OSError as e:
-        print(f"warning: no compilation cache ({path}: {e.strerror or e}); every run compiles afresh. "
-              f"Set {CACHE_ENV}=DIR to a writable folder, or {CACHE_ENV}=0", file=sys.stderr)
+        problem, unwritable = f"{path}: {e.strerror or e}", True
+    if problem:
+        # A default folder under a read-only home (containers) is no news at every run; a folder
+        # the user named, or one that others can write to, is.
+        if os.environ.get(CACHE_ENV) or not unwritable:
+            print(f"warning: no compilation cache ({problem}); every run compiles afresh. "
+                  f"Set {CACHE_ENV}=DIR to a private writable folder, or {CACHE_ENV}=0", file=sys.stderr)
         return None
     jax.config.update("jax_compilation_cache_dir", str(path))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # else the user's (tests: 0)
@@ -211,5 +238,6 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  attention=training_attention(c.attention, dtype, cfg.head_dim, backend),
                  cached_attention=_USER_ATTENTION.get(c.attention, "xla"),
                  cpu_layouts=backend == "cpu", dropout=c.dropout, remat=c.remat,
-                 scan_layers=c.scan_layers, matmul_out=jnp.float32 if backend == "cpu" else dtype)
+                 scan_layers=c.scan_layers,
+                 matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype))
     return dataclasses.replace(rt, **override)

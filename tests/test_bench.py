@@ -30,6 +30,7 @@ def test_bench_train_smoke():
     assert "speedup_vs_float32" in out and len(out["speedup_per_round"]) == 2  # interleaved rounds
 
 
+@pytest.mark.slow  # 26 s (it also times transformers); bench/gpu.py --size=tiny runs it too
 def test_bench_sample_smoke():
     out = _run("sample.py", "--configs=tiny", "--batches=1,2", "--new_tokens=4", "--reps=1", "--transformers")
     rows = out["results"]
@@ -86,6 +87,7 @@ def test_bench_moe_smoke(tmp_path):
     assert 0 <= moe["dropped_fraction"] <= 1 and moe["load_max_x_E"] >= 1
 
 
+@pytest.mark.slow  # a developer's tool; 13 s
 def test_profile_reports_device_time():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_time.py"), "train", "--preset=tiny",

@@ -389,6 +389,7 @@ def _mount_tmpfs(where: Path, size: str) -> bool:
     return r.returncode == 0
 
 
+@pytest.mark.slow  # 21 s; the simulated full disk above covers the same path in CI
 def test_real_full_disk_tmpfs(tmp_path, char_data, reference):
     """A real ENOSPC from TensorStore on a small tmpfs (skipped where tmpfs cannot be mounted)."""
     disk = tmp_path / "disk"

@@ -42,6 +42,19 @@ def test_attention_choice_per_backend():
     assert resolve(cfg, ComputeConfig(attention="einsum"), "cpu").attention == "reference"
 
 
+def test_matmul_output_dtype_per_backend():
+    """bf16 products on GPU/TPU computing in bf16 (autocast's choice); float32 on every CPU and
+    whenever the compute dtype is float32. Stored as dtypes, so equal Runtimes hash alike."""
+    cfg = tiny_model_config()
+    bf16, f32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
+    assert resolve(cfg, ComputeConfig(dtype="bfloat16"), "gpu").matmul_out == bf16
+    assert resolve(cfg, ComputeConfig(dtype="bfloat16"), "tpu").matmul_out == bf16
+    assert resolve(cfg, ComputeConfig(dtype="float32"), "gpu").matmul_out == f32
+    assert resolve(cfg, ComputeConfig(dtype="bfloat16"), "cpu").matmul_out == f32
+    a, b = resolve(cfg, ComputeConfig(dtype="float32"), "cpu"), resolve(cfg, ComputeConfig(), "cpu")
+    assert a == b and hash(a) == hash(b) and isinstance(a.matmul_out, jnp.dtype)
+
+
 
 def test_cpu_steps_reuse_their_memory_instead_of_faulting_it_in():
     """The default run's gradient (a 47 MB temporary buffer, over glibc's 32 MB mmap threshold):
@@ -78,14 +91,34 @@ def test_cpu_steps_reuse_their_memory_instead_of_faulting_it_in():
 def test_compilation_cache_folder(monkeypatch, tmp_path):
     """$GPT_COMPILATION_CACHE (0: none), else $XDG_CACHE_HOME/gpt-jax/xla; always in a folder of
     its own per CPU feature set, since JAX's cache key does not name the instruction set."""
-    monkeypatch.setenv("GPT_COMPILATION_CACHE", "0")
-    assert compilation_cache_dir() is None
+    for off in ("0", "OFF", " false", "No"):
+        monkeypatch.setenv("GPT_COMPILATION_CACHE", off)
+        assert compilation_cache_dir() is None
     monkeypatch.setenv("GPT_COMPILATION_CACHE", str(tmp_path / "mine"))
     mine = compilation_cache_dir()
     assert mine.parent == tmp_path / "mine" and mine.name.startswith("cpu-")
     monkeypatch.delenv("GPT_COMPILATION_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert compilation_cache_dir() == tmp_path / "gpt-jax" / "xla" / mine.name
+
+
+def test_cache_folder_others_can_write_is_refused(tmp_path):
+    """JAX runs what it loads from the cache: a folder (or its parent) that group or others can
+    write to is not used; a new folder is created private (0700)."""
+    from gpt.runtime import _private_folder
+    fresh = tmp_path / "a" / "b"
+    assert _private_folder(fresh) is None and fresh.stat().st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert "not private" in _private_folder(shared / "cpu-x")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(GPT_COMPILATION_CACHE=str(shared), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", "from gpt.runtime import use_compilation_cache as u; "
+                        "import jax; print(u(), jax.config.jax_compilation_cache_dir)"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["None", "None"], r.stderr
+    assert "not private to this user" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_unwritable_compilation_cache_is_one_warning(tmp_path):

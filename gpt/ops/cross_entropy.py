@@ -25,7 +25,8 @@ def cross_entropy_reference(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax
 @jax.custom_vjp
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Mean cross-entropy of `logits_BTV` [..., V] (any float dtype; entries that are -inf, such as
-    a padded vocabulary's, get probability 0) against integer `targets_BT` [...]."""
+    a padded vocabulary's, get probability 0; a row that is all -inf gives NaN, as the reference
+    does) against integer `targets_BT` [...]. Reverse-mode only (a custom VJP)."""
     return _fwd(logits_BTV, targets_BT)[0]
 
 
@@ -49,7 +50,7 @@ def _bwd(res, g):
     V = logits_BTV.shape[-1]
     scale = g / targets_BT.size
     p_BTV = jnp.exp(logits_BTV.astype(jnp.float32) - lse_BT[..., None])
-    onehot_BTV = jnp.arange(V, dtype=targets_BT.dtype) == targets_BT[..., None]
+    onehot_BTV = jnp.arange(V, dtype=jnp.int32) == targets_BT[..., None]
     d_BTV = ((p_BTV - onehot_BTV) * scale).astype(logits_BTV.dtype)
     return d_BTV, None
 

@@ -45,3 +45,27 @@ def test_huge_logits_stay_finite():
     loss, g = jax.value_and_grad(cross_entropy)(logits, targets)
     np.testing.assert_allclose(float(loss), np.log(2) / 2, rtol=1e-5)
     assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_cotangent_scales_and_targets_on_padding():
+    """A loss scaled by g scales the gradient by g; a target on a padded (-inf) entry gives an
+    infinite loss, as the reference does (never a silent finite number)."""
+    logits, targets = _logits(jnp.float32)
+    g1 = jax.grad(lambda l: 3.0 * cross_entropy(l, targets))(logits)
+    g2 = jax.grad(lambda l: 3.0 * cross_entropy_reference(l, targets))(logits)
+    np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), atol=1e-7)
+    bad = targets.at[0, 0].set(35)
+    assert float(cross_entropy(logits, bad)) == float(cross_entropy_reference(logits, bad)) == np.inf
+
+
+def test_training_loss_takes_it():
+    from flax import nnx
+
+    from helpers import tiny_model_config
+    from gpt.model import GPT
+    from gpt.train import loss_fn
+    cfg = tiny_model_config()
+    gd, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+    x = jnp.zeros((1, 8), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(lambda p: loss_fn(gd, p, x, x))(params))
+    assert "name=cross_entropy" in jaxpr
