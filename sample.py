@@ -48,10 +48,11 @@ def main(argv: Sequence[str]) -> int:
     import jax
 
     from gpt.checkpoint import load_model
-    from gpt.runtime import use_compilation_cache
+    from gpt.runtime import decoding_dtype, use_compilation_cache
     use_compilation_cache()
     from gpt.sampling import rolls
 
+    cfg.dtype = decoding_dtype(cfg.dtype)
     model, meta, tok = load_model(cfg.out_dir, cfg.dtype)
     draft = None
     if cfg.draft_out_dir:  # checked before anything is printed

@@ -69,7 +69,7 @@ from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import (PRESETS, ComputeConfig, ModelConfig, validate_compute,  # noqa: E402
                         validate_model)
 from gpt.model import GPT, for_decoding, num_params  # noqa: E402
-from gpt.runtime import resolve  # noqa: E402
+from gpt.runtime import decoding_dtype, resolve  # noqa: E402
 from bench.nocache import full_recompute_generate  # noqa: E402
 from gpt.sampling import SamplingSettings, decode, prefill  # noqa: E402
 from gpt import speculative as spec  # noqa: E402
@@ -375,7 +375,8 @@ def main(argv: list[str]) -> int:
                     help="tokens the no-cache baseline generates (0: --new_tokens)")
     ap.add_argument("--baseline_batches", default="1",
                     help="batch sizes that also run the baseline (comma list; empty: none)")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="auto: what sample.py picks (gpt.runtime.decoding_dtype)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--baseline_reps", type=int, default=1, help="timed baseline runs (slow)")
     ap.add_argument("--weights", default="compute", choices=("compute", "float32"),
@@ -391,6 +392,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--spec_tokens", type=int, default=200, help="new tokens of the speculative comparison")
     ap.add_argument("--spec_batch", type=int, default=1)
     args = ap.parse_args(argv)
+    args.dtype = decoding_dtype(args.dtype)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.baseline_batches = [int(b) for b in args.baseline_batches.split(",") if b]
     configs = [c for c in args.configs.split(",") if c]

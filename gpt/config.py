@@ -151,7 +151,7 @@ class SampleConfig:
     top_p: float = 1.0
     seed: int = 1337
     stop: list[str] = field(default_factory=list)
-    dtype: str = "auto"
+    dtype: str = "auto"  # auto: float32 on CPU (decoding is faster there in float32), bfloat16 on GPU/TPU
     stream: bool = True
     draft_out_dir: str = ""  # a smaller model with the same tokenizer: speculative decoding (gpt/speculative.py)
     num_draft_tokens: int = 4  # with --draft_out_dir: tokens the draft proposes per target forward

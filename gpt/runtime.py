@@ -191,6 +191,21 @@ def compute_dtype(choice: str, backend: str | None = None) -> jnp.dtype:
     return jnp.dtype(choice)
 
 
+def decoding_dtype(choice: str, backend: str | None = None) -> str:
+    """--dtype of sampling: for auto, float32 on every CPU, else as `compute_dtype`.
+
+    A decode step multiplies a few rows by each weight matrix and attends with one query per head:
+    matrix-vector shapes, bound by reading the weights and the cache. XLA:CPU's bf16 kernels at
+    those shapes read bf16 no faster than float32 (so half the bytes buy nothing), and its
+    one-row bf16 product is an emulated loop, so even on a CPU with native bf16 (AVX512_BF16) a
+    bf16 GPT-2 decode step took 1.2-1.35x as long as a float32 one at batch 1, 16 and 64
+    (BENCHMARKS.md).
+    Training and evaluation, whose matmuls have thousands of rows, keep `compute_dtype`.
+    """
+    backend = backend or jax.default_backend()
+    return "float32" if choice == "auto" and backend == "cpu" else choice
+
+
 def dtype_note(dtype: jnp.dtype, backend: str | None = None) -> str:
     """A note for the start-up line when the compute dtype is bf16 on a CPU that emulates it."""
     backend = backend or jax.default_backend()

@@ -11,8 +11,8 @@ import pytest
 
 from helpers import REPO, tiny_model_config
 from gpt.config import ComputeConfig
-from gpt.runtime import (compilation_cache_dir, compute_dtype, cpu_flags, cpu_native_bf16, dtype_note,
-                         resolve)
+from gpt.runtime import (compilation_cache_dir, compute_dtype, cpu_flags, cpu_native_bf16, decoding_dtype,
+                         dtype_note, resolve)
 
 
 @pytest.mark.parametrize("forced,want", [("1", jnp.bfloat16), ("0", jnp.float32)])
@@ -25,6 +25,15 @@ def test_auto_dtype_follows_native_bf16_on_cpu(monkeypatch, forced, want):
     assert compute_dtype("float32", "gpu") == jnp.float32  # an explicit choice is kept
     warned = dtype_note(jnp.bfloat16, "cpu")
     assert ("emulated" in warned) == (forced == "0") and dtype_note(jnp.float32, "cpu") == ""
+
+
+@pytest.mark.parametrize("forced", ["1", "0"])
+def test_sampling_decodes_in_float32_on_every_cpu(monkeypatch, forced):
+    """Decoding's matrix-vector shapes run no faster in bf16 on XLA:CPU, even where bf16 is native."""
+    monkeypatch.setenv("GPT_CPU_BF16", forced)
+    assert decoding_dtype("auto", "cpu") == "float32"
+    assert compute_dtype(decoding_dtype("auto", "gpu"), "gpu") == jnp.bfloat16
+    assert decoding_dtype("bfloat16", "cpu") == "bfloat16"  # an explicit choice is kept
 
 
 def test_detection_reads_the_cpu_flags(monkeypatch):
