@@ -192,7 +192,8 @@ def compute_dtype(choice: str, backend: str | None = None) -> jnp.dtype:
 
 
 def decoding_dtype(choice: str, backend: str | None = None) -> str:
-    """--dtype of sampling: for auto, float32 on every CPU, else as `compute_dtype`.
+    """--dtype of sampling: auto becomes float32 on every CPU; any other choice, or auto on GPU/TPU,
+    is passed on unchanged for `compute_dtype` to resolve.
 
     A decode step multiplies a few rows by each weight matrix and attends with one query per head:
     matrix-vector shapes, bound by reading the weights and the cache. XLA:CPU's bf16 kernels at
