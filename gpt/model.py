@@ -36,6 +36,7 @@ from gpt.config import ModelConfig
 from gpt.ops.attention import attention
 from gpt.ops.dense import dense
 from gpt.ops.dropout import dropout
+from gpt.ops.norm import layer_norm, rms_norm
 from gpt.runtime import Runtime
 
 DYT_ALPHA = 0.5  # DyT's initial alpha (the paper's default)
@@ -72,20 +73,6 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype,
 
 
 # ----------------------------------------------------------------------------- pure pieces
-
-
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5) -> jax.Array:
-    x = x.astype(jnp.float32)
-    mean = x.mean(-1, keepdims=True)
-    var = jnp.square(x - mean).mean(-1, keepdims=True)
-    y = (x - mean) * jax.lax.rsqrt(var + eps) * scale
-    return y + bias if bias is not None else y
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """RMSNorm (Llama): no centring and no bias, in float32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps) * scale
 
 
 def dyt(x: jax.Array, alpha: jax.Array, scale: jax.Array, bias: jax.Array | None) -> jax.Array:
