@@ -6,7 +6,8 @@ backward pass (a GPT-2 step carried ~40 backward reductions, most from its norms
 keeps the normalised input and the per-row 1/std from the forward and writes the input gradient
 from two row means, dx = rstd * (gs - mean(gs) - xhat * mean(gs * xhat)) with gs = g * scale, which
 XLA:CPU runs as a few fused passes (figures: BENCHMARKS.md). Math in float32 whatever the input
-dtype; the gradient comes back in the input's dtype. The references are the plain formulas.
+dtype; the gradient comes back in the input's dtype. `eps` is a Python float (a static setting,
+not traced). The references are the plain formulas.
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def _row_mean(a: jax.Array) -> jax.Array:
 
 
 def _sum_rows(a: jax.Array) -> jax.Array:
-    """Sum over every axis but the last: a [D] parameter's gradient."""
-    return a.reshape(-1, a.shape[-1]).sum(0)
+    """Sum over every axis but the last: a [D] parameter's gradient. Reduced in place, not
+    flattened first: merging sharded axes (batch, heads) would make XLA gather the whole array."""
+    return a.sum(tuple(range(a.ndim - 1)))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -23,7 +23,8 @@ def _check(fast, ref, args, g, x_dtype, tol):
     loss = lambda f: (lambda *a: jnp.sum(f(*a) * g))
     got = jax.jit(jax.grad(loss(fast), argnums=tuple(range(len(args)))))(*args)
     want = jax.grad(loss(ref), argnums=tuple(range(len(args))))(*args)
-    assert got[0].dtype == x_dtype
+    assert fast(*args).dtype == jnp.float32 and got[0].dtype == x_dtype
+    assert all(a.dtype == b.dtype for a, b in zip(got[1:], args[1:]))  # parameters: their own dtype
     for a, b in zip(got, want, strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.max(np.abs(a - b)) <= tol * (1 + np.max(np.abs(b))), np.max(np.abs(a - b))
@@ -39,12 +40,33 @@ def test_layer_norm_matches_reference(shape, dtype, tol):
            (x, scale), g, x.dtype, tol)
 
 
-@pytest.mark.parametrize("shape", [(2, 5, 16), (3, 4, 2, 8)])
+@pytest.mark.parametrize("shape", [(2, 5, 16), (3, 4, 2, 8), (7, 128)])
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("bfloat16", 2e-2)])
 def test_rms_norm_matches_reference(shape, dtype, tol):
     x, scale, _, g = _inputs(shape, jnp.dtype(dtype))
     _check(lambda x, s: rms_norm(x, s, 1e-6), lambda x, s: rms_norm_reference(x, s, 1e-6),
            (x, scale), g, x.dtype, tol)
+    _check(lambda x, s: rms_norm(x, s, 1e-6), lambda x, s: rms_norm_reference(x, s, 1e-6),
+           (x, scale.astype(jnp.bfloat16)), g, x.dtype, max(tol, 2e-2))  # a bf16 scale
+
+
+def test_under_remat_and_scan_match_reference():
+    """Through jax.checkpoint (both of the model's remat policies) inside a lax.scan over layers, as
+    the model runs its blocks."""
+    from gpt.model import REMAT_POLICIES
+    x, scale, bias, g = _inputs((2, 6, 16), jnp.float32)
+    scales = jnp.stack([scale, 2 * scale, scale + 1])
+
+    def stack(ln, rms, policy):
+        def layer(h, s):
+            return jax.checkpoint(lambda h, s: rms(ln(h, s, bias) @ jnp.eye(16), s) + h,
+                                  policy=policy)(h, s), None
+        return lambda x, scales: jnp.sum(jax.lax.scan(layer, x, scales)[0] * g)
+    for policy in REMAT_POLICIES.values():
+        got = jax.jit(jax.grad(stack(layer_norm, rms_norm, policy), argnums=(0, 1)))(x, scales)
+        want = jax.grad(stack(layer_norm_reference, rms_norm_reference, policy), argnums=(0, 1))(x, scales)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
 def test_layer_norm_is_the_textbook_formula():
@@ -54,9 +76,32 @@ def test_layer_norm_is_the_textbook_formula():
     np.testing.assert_allclose(y, want, atol=1e-5)
 
 
-def test_constant_rows_stay_finite():
-    """A row with zero variance normalises to 0 (eps keeps 1/std finite), with finite gradients."""
-    x = jnp.full((2, 8), 3.0)
-    y, grads = jax.value_and_grad(lambda x, s: jnp.sum(layer_norm(x, s, None) ** 2 + layer_norm(x, s, None)),
-                                  argnums=(0, 1))(x, jnp.ones(8))
-    assert np.isfinite(float(y)) and all(np.all(np.isfinite(np.asarray(a))) for a in grads)
+@pytest.mark.parametrize("fast,ref,value", [(layer_norm, layer_norm_reference, 3.0),
+                                            (rms_norm, rms_norm_reference, 0.0)])
+def test_constant_rows_normalise_to_zero(fast, ref, value):
+    """A row with zero variance (LayerNorm) or all zeros (RMSNorm) normalises to 0: eps keeps 1/std
+    finite, and the gradients are finite and equal the reference's."""
+    x, scale = jnp.full((2, 8), value), jnp.ones(8)
+    args = (x, scale, None) if fast is layer_norm else (x, scale)
+    np.testing.assert_array_equal(np.asarray(fast(*args)), 0.0)
+    f = lambda norm: (lambda x, s: jnp.sum(norm(x, s, *args[2:]) * jnp.arange(8.0)))
+    got, want = jax.grad(f(fast), argnums=(0, 1))(x, scale), jax.grad(f(ref), argnums=(0, 1))(x, scale)
+    for a, b in zip(got, want):
+        assert np.all(np.isfinite(np.asarray(a)))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_scale_gradient_needs_no_gather():
+    """With the batch and the heads sharded (q/k norms under tensor parallelism), the scale's
+    gradient is reduced where the shards are: no all-gather of the [B, T, H, K] array."""
+    from helpers import run_on_4_cpu_devices
+    out = run_on_4_cpu_devices("""
+import json, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from gpt.ops.norm import rms_norm
+mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+x = jax.device_put(jnp.ones((4, 8, 4, 16)), NamedSharding(mesh, P("data", None, "tensor", None)))
+f = jax.jit(jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, 1e-6) ** 2), argnums=(0, 1)))
+print(json.dumps({"hlo_gathers": "all-gather" in f.lower(x, jnp.ones(16)).compile().as_text()}))
+""")
+    assert out == {"hlo_gathers": False}
