@@ -30,7 +30,7 @@ def _check(fast, ref, args, g, x_dtype, tol):
         assert np.max(np.abs(a - b)) <= tol * (1 + np.max(np.abs(b))), np.max(np.abs(a - b))
 
 
-@pytest.mark.parametrize("shape", [(2, 5, 16), (3, 4, 2, 8), (7, 128)])
+@pytest.mark.parametrize("shape", [(3, 4, 2, 8), (7, 128)])
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("bfloat16", 2e-2)])
 def test_layer_norm_matches_reference(shape, dtype, tol):
     x, scale, bias, g = _inputs(shape, jnp.dtype(dtype))
@@ -40,7 +40,7 @@ def test_layer_norm_matches_reference(shape, dtype, tol):
            (x, scale), g, x.dtype, tol)
 
 
-@pytest.mark.parametrize("shape", [(2, 5, 16), (3, 4, 2, 8), (7, 128)])
+@pytest.mark.parametrize("shape", [(3, 4, 2, 8), (7, 128)])
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-5), ("bfloat16", 2e-2)])
 def test_rms_norm_matches_reference(shape, dtype, tol):
     x, scale, _, g = _inputs(shape, jnp.dtype(dtype))
