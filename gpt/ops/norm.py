@@ -33,13 +33,13 @@ def rms_norm_reference(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5) -> jax.Array:
     """LayerNorm over the last axis (float32 result); `bias` may be None (GPT-2 without biases)."""
-    y = _layer_norm(x, scale, eps)
+    y = _norm(x, scale, eps, True)
     return y + bias if bias is not None else y  # the bias's gradient is plain autodiff's sum
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax.Array:
     """RMSNorm (Llama): no centring and no bias; float32 result."""
-    return _rms_norm(x, scale, eps)
+    return _norm(x, scale, eps, False)
 
 
 def _row_mean(a: jax.Array) -> jax.Array:
@@ -52,48 +52,27 @@ def _sum_rows(a: jax.Array) -> jax.Array:
     return a.sum(tuple(range(a.ndim - 1)))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _layer_norm(x, scale, eps):
-    return _ln_fwd(x, scale, eps)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _norm(x, scale, eps, centre):
+    """scale * (x - mean) / std (LayerNorm without its bias) when `centre`, else scale * x / rms."""
+    return _norm_fwd(x, scale, eps, centre)[0]
 
 
-def _ln_fwd(x, scale, eps):
+def _norm_fwd(x, scale, eps, centre):
     x32 = x.astype(jnp.float32)
-    xc = x32 - _row_mean(x32)
+    xc = x32 - _row_mean(x32) if centre else x32
     rstd = jax.lax.rsqrt(_row_mean(jnp.square(xc)) + eps)
     xhat = xc * rstd
     return xhat * scale, (xhat, rstd, scale, jnp.zeros((), x.dtype))
 
 
-def _ln_bwd(eps, res, g):
+def _norm_bwd(eps, centre, res, g):
     xhat, rstd, scale, like = res
     g = g.astype(jnp.float32)
     gs = g * scale
-    dx = rstd * (gs - _row_mean(gs) - xhat * _row_mean(gs * xhat))
+    dxhat = gs - _row_mean(gs) if centre else gs  # centring removes the gradient's row mean
+    dx = rstd * (dxhat - xhat * _row_mean(gs * xhat))
     return dx.astype(like.dtype), _sum_rows(g * xhat).astype(scale.dtype)
 
 
-_layer_norm.defvjp(_ln_fwd, _ln_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm(x, scale, eps):
-    return _rms_fwd(x, scale, eps)[0]
-
-
-def _rms_fwd(x, scale, eps):
-    x32 = x.astype(jnp.float32)
-    rstd = jax.lax.rsqrt(_row_mean(jnp.square(x32)) + eps)
-    xhat = x32 * rstd
-    return xhat * scale, (xhat, rstd, scale, jnp.zeros((), x.dtype))
-
-
-def _rms_bwd(eps, res, g):
-    xhat, rstd, scale, like = res
-    g = g.astype(jnp.float32)
-    gs = g * scale
-    dx = rstd * (gs - xhat * _row_mean(gs * xhat))
-    return dx.astype(like.dtype), _sum_rows(g * xhat).astype(scale.dtype)
-
-
-_rms_norm.defvjp(_rms_fwd, _rms_bwd)
+_norm.defvjp(_norm_fwd, _norm_bwd)
