@@ -12,6 +12,9 @@ suite goes on):
   MFU against the measured matmul ceiling and the vendor peak.
 - sample: `bench/sample.py` decoding GPT-2 at batch 1/16/64 with the memory-bandwidth utilisation.
 - curve: a 300-step shakespeare-char run of `train.py` (its loss curve and loss.png).
+- speculative: `bench/sample.py --speculative`, greedy, batch 1, K=2 and K=4 drafted tokens: the
+  `shakespeare` pair (shakespeare-char's 10.7M target, a 25x smaller draft) trained here for 5,000
+  steps each, plain against speculative decoding with the acceptance and the predicted speedup.
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -30,7 +33,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("tests", "sample", "curve", "train")  # the longest last: a cut-short run keeps the rest
+PARTS = ("tests", "sample", "curve", "speculative", "train")  # the longest last: a cut-short run keeps the rest
 
 # name -> bench/train.py flags. The first is the headline configuration; "scan" measures compile
 # time with --scan_layers; the larger batches and remat policies look for the fastest that fits.
@@ -52,11 +55,13 @@ def sizes(size: str) -> dict:
                     "--ceiling_n=256", "--ceiling_reps=2"], sample_config="tiny",
                     sample_batches="1,4", new_tokens=8, curve_steps=20,
                     curve_flags=["--preset=tiny", "--eval_interval=10", "--eval_iters=2",
-                                 "--log_interval=5"])
+                                 "--log_interval=5"],
+                    spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"])
     return dict(train_preset="gpt2", train_variants=TRAIN_FULL, steps=["--steps=10", "--warmup=3"],
                 sample_config="gpt2", sample_batches="1,16,64", new_tokens=256, curve_steps=300,
                 curve_flags=["--preset=shakespeare-char", "--eval_interval=50", "--eval_iters=20",
-                             "--log_interval=10"])
+                             "--log_interval=10"],
+                spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"])
 
 
 class Runner:
@@ -67,11 +72,12 @@ class Runner:
         self.results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "parts": {}}
         self.log_path = out / "gpu.log"
 
-    def run(self, cmd: list[str], timeout: int | None = None) -> tuple[int, str, float]:
+    def run(self, cmd: list[str], timeout: int | None = None, env: dict | None = None
+            ) -> tuple[int, str, float]:
         """(exit status, stdout + stderr, seconds); a timeout is status 124."""
         t0 = time.perf_counter()
         try:
-            r = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True,
+            r = subprocess.run(cmd, cwd=REPO, env=env or self.env, capture_output=True, text=True,
                                timeout=timeout or self.timeout)
             rc, text = r.returncode, r.stdout + r.stderr
         except subprocess.TimeoutExpired as e:
@@ -146,6 +152,21 @@ def part_sample(r: Runner, sz: dict) -> dict:
     return rows
 
 
+def part_speculative(r: Runner, sz: dict) -> dict:
+    """Plain against speculative decoding; the first run trains the pair (cached for the second)."""
+    rows = {}
+    env = dict(r.env, GPT_BENCH_CACHE=tempfile.mkdtemp(prefix="gpu-pair-"))
+    for k in (2, 4):
+        cmd = [sys.executable, "bench/sample.py", "--speculative", "--configs=", *sz["spec"],
+               f"--num_draft_tokens={k}"]
+        rc, text, sec = r.run(cmd, timeout=2 * r.timeout, env=env)
+        res = last_json(text) if rc == 0 else None
+        rows[f"K={k}"] = (res or {}).get("speculative") or {"error": why_failed(rc, text)}
+        r.save("speculative", rows)
+    shutil.rmtree(env["GPT_BENCH_CACHE"], ignore_errors=True)
+    return rows
+
+
 def part_curve(r: Runner, sz: dict) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-curve-"))
     n = sz["curve_steps"]
@@ -201,6 +222,20 @@ def _sample_table(rows: dict) -> list[str]:
     return lines
 
 
+def _spec_table(rows: dict) -> list[str]:
+    lines = ["| K | plain tok/s | speculative tok/s | speedup | predicted | per-token acceptance | "
+             "target / draft / verify ms | same tokens |", "|---|---|---|---|---|---|---|---|"]
+    for k, x in rows.items():
+        if "error" in x:
+            lines.append(f"| {k} | {x['error']} | | | | | | |")
+            continue
+        lines.append(f"| {k} | {x['plain_tokens_per_sec']:,.0f} | {x['speculative_tokens_per_sec']:,.0f} | "
+                     f"{x['speedup']:.2f}x | {x['predicted_speedup']:.2f}x | "
+                     f"{_pct(x['per_token_acceptance'])} | {x['target_step_ms']:.2f} / "
+                     f"{x['draft_step_ms']:.2f} / {x['verify_ms']:.2f} | {x['same_tokens']} |")
+    return lines
+
+
 def markdown(results: dict) -> str:
     p = results["parts"]
     out = [f"# GPU suite ({results.get('device', '?')}, jax {results.get('jax', '?')}, "
@@ -214,6 +249,9 @@ def markdown(results: dict) -> str:
         out += ["## Training step (bench/train.py, bfloat16)", "", *_train_table(p["train"]), ""]
     if "sample" in p:
         out += ["## Decoding (bench/sample.py)", "", *_sample_table(p["sample"]), ""]
+    if "speculative" in p:
+        out += ["## Speculative decoding (bench/sample.py --speculative, greedy, batch 1)", "",
+                *_spec_table(p["speculative"]), ""]
     if "curve" in p:
         c = p["curve"]
         out += ["## Short training run (train.py)", "", f"exit {c['exit']}, {c['wall_sec']:.0f} s wall, "
@@ -258,7 +296,8 @@ def main(argv: list[str]) -> int:
     only = [x for x in args.train_variants.split(",") if x]
     for part in parts:
         res = {"tests": lambda: part_tests(r, sz), "train": lambda: part_train(r, sz, only),
-               "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz)}[part]()
+               "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz),
+               "speculative": lambda: part_speculative(r, sz)}[part]()
         r.save(part, res)
     print(markdown(r.results))
     return 0

@@ -34,7 +34,7 @@ from gpt import moe as moe_lib
 from gpt import runtime as runtime_lib
 from gpt.config import ModelConfig
 from gpt.ops.attention import attention
-from gpt.ops.dense import dense
+from gpt.ops.dense import contract_last, decode_dense, dense
 from gpt.ops.dropout import dropout
 from gpt.ops.norm import layer_norm, rms_norm
 from gpt.runtime import Runtime
@@ -311,8 +311,11 @@ class Block(nnx.Module):
         capacity (gpt/moe.py; 0: no token dropped)."""
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
         lora_key = None if key is None else jax.random.fold_in(key, 3)  # the adapters' dropout
-        mm = lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp,
-                                      rt.matmul_out)
+        if rt.decode_layout:  # weights held [out, in] by for_decoding
+            mm = lambda x, w, spec: decode_dense(x, w, spec, rt.dtype, rt.matmul_out)
+        else:
+            mm = lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp,
+                                          rt.matmul_out)
 
         h_BTD = normalize(x_BTD, _norm(self.ln1_scale, self.ln1_bias, self.ln1_alpha), cfg)
         q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
@@ -417,7 +420,11 @@ class GPT(nnx.Module):
         # Decoding writes float32 logits: a few rows, no backward to save memory for, and greedy
         # picks are not left to bf16 ties.
         out = jnp.float32 if cache is not None else rt.matmul_out
-        logits_BTV = dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, rt.cpu_layouts, rt.dense_vjp, out)
+        if rt.decode_layout:  # [V, D] is already the layout decode_dense takes
+            logits_BTV = decode_dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, out)
+        else:
+            logits_BTV = dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, rt.cpu_layouts, rt.dense_vjp,
+                               out)
         valid_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
         return jnp.where(valid_V, logits_BTV, -jnp.inf), cache, stats
 
@@ -490,7 +497,9 @@ def for_decoding(model: GPT) -> GPT:
     before each matmul; and the CPU layouts (`gpt.ops.dense`, for the backward pass) transpose the
     [V, D] head into a [D, V] copy per call. Batch-1 decoding only has to read every weight once
     per token, and these copies made a GPT-2 token move the weights about three times (BENCHMARKS.md).
-    Here the layer slices are taken once, outside the decoding loop.
+    Here the layer slices are taken once, outside the decoding loop. On CPU the dense weights are
+    also held [out, in], so that steps of a few rows (a batch, a speculative verify) stream each
+    weight once (`gpt.ops.dense.decode_dense`).
     """
     if isinstance(model.blocks, nnx.List):
         return model
@@ -503,11 +512,36 @@ def for_decoding(model: GPT) -> GPT:
         graphdef, state = stacks[moe]
         layers.append(nnx.merge(graphdef, jax.tree.map(lambda a, i=taken[moe]: a[i], state)))
         taken[moe] += 1
+    # On CPU the dense weights are held [out, in] (decode_dense); not with LoRA adapters, whose
+    # update shares the weight's spec (sampling merges them into the weights anyway)
+    transpose = model.rt.cpu_layouts and all(b.lora is None for b in layers)
+    if transpose:
+        for block in layers:
+            _hold_out_in(block)
     out = nnx.merge(*nnx.split(model))  # a shallow twin: the other arrays are shared
     # nnx.data: with every block MoE, `blocks` was None (a static attribute) in the model
     out.blocks, out.moe_blocks = nnx.data(nnx.List(layers)), None
-    out.rt = dataclasses.replace(out.rt, cpu_layouts=False)
+    out.rt = dataclasses.replace(out.rt, cpu_layouts=False, decode_layout=transpose)
     return out
+
+
+# the dense weights of a block (those `Block.linear` multiplies by) and how many of their leading
+# axes each contracts
+_CONTRACTED = {"w_qkv": 1, "w_q": 1, "w_kv": 1, "w_o": 2, "w_fc": 1, "w_proj": 1}
+
+
+def _hold_out_in(block: Block) -> None:
+    """Replace a decoding layer's dense weights by copies with the contracted axes last, the
+    layout `decode_dense` takes (the experts' weights of a MoE block are not `linear`'s: kept)."""
+    for name, n in _CONTRACTED.items():
+        w = getattr(block, name)
+        if w is None or (block.moe and name in ("w_fc", "w_proj")):
+            continue
+        perm = (*range(n, w.ndim), *range(n))
+        axes = w.get_metadata().get("out_sharding")
+        axes = None if axes is None else tuple(axes[i] for i in perm)
+        setattr(block, name, nnx.Param(jnp.transpose(w[...], perm), sharding_names=axes,
+                                       eager_sharding=False))
 
 
 # ----------------------------------------------------------------------------- sizes and FLOPs

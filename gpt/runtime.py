@@ -46,6 +46,9 @@ class Runtime:
     # float32 accumulation either way
     matmul_out: Any = jnp.dtype("float32")
     mesh: Any = None  # the training mesh: MoE layers lay their dispatched tokens out on its expert axis
+    # weights held [out, in] for decoding on CPU (gpt.model.for_decoding): few-row products stream
+    # them (gpt.ops.dense.decode_dense)
+    decode_layout: bool = False
 
 
 CPU_BF16_ENV = "GPT_CPU_BF16"  # 1/0 overrides the detection (the tests pin float32 with 0)

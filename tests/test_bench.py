@@ -41,7 +41,7 @@ def test_bench_sample_smoke():
     assert rows[0]["baseline_tokens_per_sec"] > 0 and rows[1]["baseline_tokens_per_sec"] is None
 
 
-@pytest.mark.slow  # two minutes on 2 cores; a session with a GPU runs bench/gpu.py itself
+@pytest.mark.slow  # minutes on 2 cores; a session with a GPU runs bench/gpu.py itself
 def test_gpu_suite_runs_at_tiny_size(tmp_path):
     """bench/gpu.py end to end on CPU with tiny models: every part runs and lands in gpu.json,
     gpu.md and loss.png (the GPU tests are skipped off a GPU)."""
@@ -56,8 +56,12 @@ def test_gpu_suite_runs_at_tiny_size(tmp_path):
     rows = [row for w in ("compute", "float32") for row in res["sample"][w]["results"]]
     assert len(rows) == 4 and all(0 < row["bw_util"] for row in rows)
     assert res["curve"]["exit"] == 0 and [s for s, *_ in res["curve"]["eval"]] == [10, 20]
+    spec = res["speculative"]
+    assert sorted(spec) == ["K=2", "K=4"] and all(x["same_tokens"] and x["speedup"] > 0
+                                                  for x in spec.values())
     assert (tmp_path / "loss.png").stat().st_size > 0
-    assert "## Training step" in (tmp_path / "gpu.md").read_text()
+    md = (tmp_path / "gpu.md").read_text()
+    assert "## Training step" in md and "## Speculative decoding" in md
 
 
 @pytest.mark.slow

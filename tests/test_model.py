@@ -249,14 +249,20 @@ FOR_DECODING = {"gpt2": {}, "llama": MODERN["llama"],
 @pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow), "moe",
                                   "moe-every-layer"])
 def test_for_decoding_is_the_same_model(name):
-    """`for_decoding` (per-layer modules in layer order, no CPU layouts) gives the stacked model's
-    logits, with and without a cache, and leaves the original untouched."""
+    """`for_decoding` (per-layer modules in layer order, no CPU layouts, [out, in] weights on CPU)
+    gives the stacked model's logits, with and without a cache, for one, a few and many rows, and
+    leaves the original untouched."""
     cfg = tiny_model_config(**FOR_DECODING[name])
     model = tiny_gpt(cfg)
+    shapes = jax.tree.map(jnp.shape, nnx.state(model))
     dec = M.for_decoding(model)
     assert isinstance(dec.blocks, nnx.List) and len(dec.blocks) == cfg.n_layer
     assert not dec.rt.cpu_layouts and not isinstance(model.blocks, nnx.List)
     assert M.for_decoding(dec) is dec
+    # on CPU the dense weights are held [out, in] (gpt.ops.dense.decode_dense)
+    assert dec.rt.decode_layout and not model.rt.decode_layout
+    assert dec.blocks[0].w_o.shape == (cfg.n_embd, cfg.n_head, cfg.head_dim)
+    assert jax.tree.map(jnp.shape, nnx.state(model)) == shapes  # the stacked model's kept
     x = tokens(2, 12, cfg.vocab_size)
     call = nnx.jit(lambda m, x, cache: m(x, cache=cache))  # compiled: eager MoE ops are slow
     np.testing.assert_allclose(call(dec, x, None)[0], call(model, x, None)[0], rtol=1e-5, atol=1e-5)
@@ -264,5 +270,8 @@ def test_for_decoding_is_the_same_model(name):
     (la, ca), (lb, cb) = (call(m, x[:, :8], cache) for m in (model, dec))
     (la, ca), (lb, cb) = (call(m, x[:, 8:9], c) for m, c in ((model, ca), (dec, cb)))
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
+    # 16, 2 and 6 rows: the few-row products; 24 above: a dot with the [out, in] weights
+    (la, ca), (lb, cb) = (call(m, x[:, 9:12], c) for m, c in ((model, ca), (dec, cb)))
+    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cb.k_LBSHK, ca.k_LBSHK, rtol=1e-5, atol=1e-6)
-    assert int(cb.index) == int(ca.index) == 9
+    assert int(cb.index) == int(ca.index) == 12

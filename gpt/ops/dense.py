@@ -133,3 +133,45 @@ def _dense_bwd(spec, dtype, cpu_layouts, out_dtype, res, g):
 
 
 _dense_vjp.defvjp(_dense_fwd, _dense_bwd)
+
+
+# ----------------------------------------------------------------------------- decoding on CPU
+
+FEW_ROWS = 16  # products of 2..FEW_ROWS rows run as multiply-and-reduce in `decode_dense`
+
+
+def contract_last(spec: str) -> tuple[tuple[int, ...], str]:
+    """(permutation of the weight, spec of the permuted weight) that put a dense spec's contracted
+    axes last: "btd,df->btf" gives ((1, 0), "btd,fd->btf"), the [out, in] layout of `decode_dense`."""
+    p = _plan(spec)
+    if p is None:
+        raise ValueError(f"not a dense spec: {spec}")
+    ws = spec.replace(" ", "").split("->")[0].split(",")[1]
+    w_t = p.w_free + p.contract
+    return tuple(ws.index(c) for c in w_t), f"{p.x_free}{p.contract},{w_t}->{p.x_free}{p.w_free}"
+
+
+def decode_dense(x: jax.Array, w: jax.Array, spec: str, dtype, out_dtype=jnp.float32) -> jax.Array:
+    """x times a weight held with its contracted axes last (`contract_last`; `gpt.model.for_decoding`
+    holds the weights so on CPU): the forward of a decoding step, without a backward.
+
+    Decoding multiplies one to a few rows (a batch, or the K+1 tokens of a speculative verify) by
+    every weight, which is read from memory once per step. One row takes XLA:CPU's matrix-vector
+    kernel, which streams the weight; from two rows on a dot becomes a GEMM that packs the weight
+    first and reads it at a fraction of the bandwidth, so 5 rows cost about 3 single-row steps.
+    Written as a product and a sum over the last axis of an [N, M, C] array, 2..FEW_ROWS rows are
+    one fusion that streams each weight row once for all M rows. Figures: BENCHMARKS.md.
+    `spec` may name either layout; the weight must be the permuted one.
+    """
+    perm, spec = contract_last(spec)
+    p = _plan(spec)
+    n_free = len(p.x_free)
+    free_shape = x.shape[:n_free]
+    M = math.prod(free_shape)
+    if not 2 <= M <= FEW_ROWS:
+        return mm(x.astype(dtype), w.astype(dtype), spec, out_dtype)
+    n_w_free = len(p.w_free)
+    x_MC = x.reshape(M, -1).astype(dtype).astype(jnp.float32)
+    w_NC = w.reshape(math.prod(w.shape[:n_w_free]), -1).astype(dtype).astype(jnp.float32)
+    y_NM = jnp.sum(w_NC[:, None, :] * x_MC[None], axis=-1)
+    return y_NM.T.astype(out_dtype).reshape(*free_shape, *w.shape[:n_w_free])

@@ -95,3 +95,27 @@ def test_model_gradients_through_dense_match_reference(dtype, tol, out):
     for a, b in zip(jax.tree.leaves(g_custom), jax.tree.leaves(g_ref)):
         scale = float(jnp.max(jnp.abs(b))) or 1.0
         assert float(jnp.max(jnp.abs(a - b))) / scale < tol
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, D.FEW_ROWS, D.FEW_ROWS + 1])  # matvec, few rows, GEMM
+@pytest.mark.parametrize("spec,xs,ws", SPECS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_dense_with_out_in_weights_matches_reference(spec, xs, ws, dtype, rows):
+    """decode_dense on the weight permuted by contract_last == the einsum on the original weight."""
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (rows, 1, *xs[2:]), jnp.float32)
+    w = jax.random.normal(kw, ws, jnp.float32)
+    perm, spec_t = D.contract_last(spec)
+    assert D.contract_last(spec_t) == (tuple(range(len(ws))), spec_t)  # already [out, in]
+    y = jax.jit(lambda x, w: D.decode_dense(x, w, spec, jnp.dtype(dtype)))(x, jnp.transpose(w, perm))
+    ref = D.dense_reference(x, w, spec, jnp.dtype(dtype))
+    assert y.shape == ref.shape and y.dtype == jnp.float32
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)  # bf16: the same rounded inputs
+
+
+def test_contract_last_layouts():
+    assert D.contract_last("btd,df->btf") == ((1, 0), "btd,fd->btf")
+    assert D.contract_last("bthk,hkd->btd") == ((2, 0, 1), "bthk,dhk->btd")
+    assert D.contract_last("btd,dchk->btchk") == ((1, 2, 3, 0), "btd,chkd->btchk")
+    with pytest.raises(ValueError, match="not a dense spec"):
+        D.contract_last("bd,bd->b")
