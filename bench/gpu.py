@@ -1,6 +1,6 @@
 """The GPU suite in one command: GPU tests, training and decoding benchmarks, a short training run.
 
-    python bench/gpu.py --out=DIR [--size=full|tiny] [--parts=tests,train,sample,curve]
+    python bench/gpu.py --out=DIR [--size=full|tiny] [--parts=tests,sample,curve,speculative,train]
                         [--train_variants=NAME,...] [--timeout=SEC]
 
 Parts (each runs in its own process, so an out-of-memory variant or a crash is recorded and the
@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,14 +77,15 @@ class Runner:
             ) -> tuple[int, str, float]:
         """(exit status, stdout + stderr, seconds); a timeout is status 124."""
         t0 = time.perf_counter()
+        # its own process group: a timeout also ends what it started (sample.py's train.py runs)
+        p = subprocess.Popen(cmd, cwd=REPO, env=env or self.env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            r = subprocess.run(cmd, cwd=REPO, env=env or self.env, capture_output=True, text=True,
-                               timeout=timeout or self.timeout)
-            rc, text = r.returncode, r.stdout + r.stderr
-        except subprocess.TimeoutExpired as e:
-            rc = 124
-            text = "".join(x.decode() if isinstance(x, bytes) else (x or "")
-                           for x in (e.stdout, e.stderr)) + "\n[timed out]"
+            text, _ = p.communicate(timeout=timeout or self.timeout)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            text, rc = (p.communicate()[0] or "") + "\n[timed out]", 124
         sec = time.perf_counter() - t0
         with open(self.log_path, "a") as f:
             f.write(f"\n$ {' '.join(cmd)}\n[exit {rc}, {sec:.1f} s]\n{text}\n")

@@ -212,6 +212,13 @@ def _norm(scale, bias, alpha) -> dict:
     return {"scale": scale[...], "bias": _value(bias), "alpha": _value(alpha)}
 
 
+# The dense weights `Block.linear` multiplies by and their einsum specs (x's axes, the weight's ->
+# the product's); `for_decoding` holds them permuted by `contract_last` of these on CPU.
+SPECS = {"w_qkv": "btd,dchk->btchk", "w_q": "btd,dhk->bthk", "w_kv": "btd,dcgk->btcgk",
+         "w_o": "bthk,hkd->btd", "w_fc": "btd,df->btf", "w_fc_gated": "btd,dcf->btcf",
+         "w_proj": "btf,fd->btd"}
+
+
 class Block(nnx.Module):
     """Pre-norm Transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)).
 
@@ -272,11 +279,11 @@ class Block(nnx.Module):
     def qkv(self, h_BTD, positions_BT, cfg: ModelConfig, mm, key=None):
         """Queries [B, T, H, K] and keys/values [B, T, G, K]: projected, QK-normed, rotated."""
         if self.w_qkv is not None:
-            qkv_BT3HK = _add_bias(self.linear("w_qkv", h_BTD, "btd,dchk->btchk", mm, key), self.b_qkv)
+            qkv_BT3HK = _add_bias(self.linear("w_qkv", h_BTD, SPECS["w_qkv"], mm, key), self.b_qkv)
             q_BTHK, k_BTGK, v_BTGK = (qkv_BT3HK[:, :, i] for i in range(3))
         else:
-            q_BTHK = _add_bias(self.linear("w_q", h_BTD, "btd,dhk->bthk", mm, key), self.b_q)
-            kv_BT2GK = _add_bias(self.linear("w_kv", h_BTD, "btd,dcgk->btcgk", mm, key), self.b_kv)
+            q_BTHK = _add_bias(self.linear("w_q", h_BTD, SPECS["w_q"], mm, key), self.b_q)
+            kv_BT2GK = _add_bias(self.linear("w_kv", h_BTD, SPECS["w_kv"], mm, key), self.b_kv)
             k_BTGK, v_BTGK = kv_BT2GK[:, :, 0], kv_BT2GK[:, :, 1]
         if cfg.qk_norm:  # per head, before the rotation (Qwen3)
             q_BTHK = rms_norm(q_BTHK, self.q_norm[...], cfg.norm_eps)
@@ -288,12 +295,12 @@ class Block(nnx.Module):
 
     def mlp(self, h_BTD, cfg: ModelConfig, mm, key=None):
         if cfg.mlp == "swiglu":
-            gu_BT2F = _add_bias(self.linear("w_fc", h_BTD, "btd,dcf->btcf", mm, key), self.b_fc)
+            gu_BT2F = _add_bias(self.linear("w_fc", h_BTD, SPECS["w_fc_gated"], mm, key), self.b_fc)
             h_BTF = jax.nn.silu(gu_BT2F[:, :, 0]) * gu_BT2F[:, :, 1]
         else:
-            fc_BTF = _add_bias(self.linear("w_fc", h_BTD, "btd,df->btf", mm, key), self.b_fc)
+            fc_BTF = _add_bias(self.linear("w_fc", h_BTD, SPECS["w_fc"], mm, key), self.b_fc)
             h_BTF = jax.nn.gelu(fc_BTF, approximate=cfg.activation == "gelu_tanh")
-        return _add_bias(self.linear("w_proj", h_BTF, "btf,fd->btd", mm, key), self.b_proj)
+        return _add_bias(self.linear("w_proj", h_BTF, SPECS["w_proj"], mm, key), self.b_proj)
 
     def experts(self, h_BTD, cfg: ModelConfig, rt: Runtime, capacity_factor: float
                 ) -> tuple[jax.Array, moe_lib.MoEStats]:
@@ -328,7 +335,7 @@ class Block(nnx.Module):
         k_BSHK, v_BSHK = (jnp.repeat(a, groups, axis=2) if groups > 1 else a for a in (k_BSGK, v_BSGK))
         y_BTHK = attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl, cpu_layouts=rt.cpu_layouts,
                            rate=rt.dropout, key=keys[0], block=rt.attention_block)
-        attn_BTD = _add_bias(self.linear("w_o", y_BTHK, "bthk,hkd->btd", mm, lora_key), self.b_o)
+        attn_BTD = _add_bias(self.linear("w_o", y_BTHK, SPECS["w_o"], mm, lora_key), self.b_o)
         x_BTD = x_BTD + dropout(attn_BTD, rt.dropout, keys[1])
 
         h_BTD = normalize(x_BTD, _norm(self.ln2_scale, self.ln2_bias, self.ln2_alpha), cfg)
@@ -525,21 +532,18 @@ def for_decoding(model: GPT) -> GPT:
     return out
 
 
-# the dense weights of a block (those `Block.linear` multiplies by) and how many of their leading
-# axes each contracts
-_CONTRACTED = {"w_qkv": 1, "w_q": 1, "w_kv": 1, "w_o": 2, "w_fc": 1, "w_proj": 1}
-
-
 def _hold_out_in(block: Block) -> None:
     """Replace a decoding layer's dense weights by copies with the contracted axes last, the
     layout `decode_dense` takes (the experts' weights of a MoE block are not `linear`'s: kept)."""
-    for name, n in _CONTRACTED.items():
+    for name in ("w_qkv", "w_q", "w_kv", "w_o", "w_fc", "w_proj"):
         w = getattr(block, name)
         if w is None or (block.moe and name in ("w_fc", "w_proj")):
             continue
-        perm = (*range(n, w.ndim), *range(n))
+        perm, _ = contract_last(SPECS["w_fc_gated" if name == "w_fc" and w.ndim == 3 else name])
         axes = w.get_metadata().get("out_sharding")
-        axes = None if axes is None else tuple(axes[i] for i in perm)
+        if axes is not None and len(axes) == w.ndim + 1:  # a slice of the stack: drop "layers"
+            axes = axes[1:]
+        axes = None if axes is None or len(axes) != w.ndim else tuple(axes[i] for i in perm)
         setattr(block, name, nnx.Param(jnp.transpose(w[...], perm), sharding_names=axes,
                                        eager_sharding=False))
 

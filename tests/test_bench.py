@@ -47,7 +47,7 @@ def test_gpu_suite_runs_at_tiny_size(tmp_path):
     gpu.md and loss.png (the GPU tests are skipped off a GPU)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}",
-                        "--size=tiny"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                        "--size=tiny"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "gpu.json").read_text())["parts"]
     assert res["tests"]["exit"] == 0 and res["tests"]["skipped"] > 0

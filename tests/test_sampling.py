@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,3 +196,18 @@ def test_decode_writes_the_cache_in_place(model):
     cache_type = "f32[{}]".format(",".join(map(str, state.cache.k_LBSHK.shape)))
     copies = [line for line in hlo.splitlines() if f"= {cache_type}" in line and " copy(" in line]
     assert not copies, copies[:2]
+
+
+@pytest.mark.parametrize("batch", [1, 3])  # one row: XLA's matrix-vector dot; 3: the few-row fusion
+def test_decode_reads_the_weights_without_copying_them(model, batch):
+    """No weight is transposed or copied inside the compiled decode loop: the decoding layers hold
+    them [out, in] once (gpt.model.for_decoding) and every product reads them in place (an einsum
+    over the unflattened weight made XLA copy w_qkv and w_o back to [in, out] on every token)."""
+    sampler = Sampler(model, SamplingSettings(max_new_tokens=8, temperature=1.0, top_k=5))
+    state = sampler.start([[1, 2, 3]] * batch, jax.random.key(0))
+    hlo = sampler._decode.lower(sampler.params, state, 8).compile().as_text()
+    weights = {tuple(sorted(a.shape)) for a in jax.tree.leaves(sampler.params) if a.ndim >= 2}
+    moved = [line for line in hlo.splitlines() if (" copy(" in line or " transpose(" in line)
+             and (m := re.search(r"= f32\[([\d,]+)\]", line))
+             and tuple(sorted(int(d) for d in m.group(1).split(","))) in weights]
+    assert not moved, moved[:2]

@@ -163,15 +163,18 @@ def decode_dense(x: jax.Array, w: jax.Array, spec: str, dtype, out_dtype=jnp.flo
     one fusion that streams each weight row once for all M rows. Figures: BENCHMARKS.md.
     `spec` may name either layout; the weight must be the permuted one.
     """
-    perm, spec = contract_last(spec)
-    p = _plan(spec)
-    n_free = len(p.x_free)
-    free_shape = x.shape[:n_free]
+    p = _plan(contract_last(spec)[1])
+    free_shape, n_w_free = x.shape[:len(p.x_free)], len(p.w_free)
     M = math.prod(free_shape)
-    if not 2 <= M <= FEW_ROWS:
-        return mm(x.astype(dtype), w.astype(dtype), spec, out_dtype)
-    n_w_free = len(p.w_free)
-    x_MC = x.reshape(M, -1).astype(dtype).astype(jnp.float32)
-    w_NC = w.reshape(math.prod(w.shape[:n_w_free]), -1).astype(dtype).astype(jnp.float32)
-    y_NM = jnp.sum(w_NC[:, None, :] * x_MC[None], axis=-1)
-    return y_NM.T.astype(out_dtype).reshape(*free_shape, *w.shape[:n_w_free])
+    x_MC = x.reshape(M, -1).astype(dtype)
+    w_NC = w.reshape(math.prod(w.shape[:n_w_free]), -1).astype(dtype)
+    # Flattened either way: an einsum over the [out..., in...] axes would have XLA copy the
+    # weight back into [in, out] order on every call.
+    y_MN = _few_rows(x_MC, w_NC, out_dtype) if 2 <= M <= FEW_ROWS else mm(x_MC, w_NC, "mc,nc->mn", out_dtype)
+    return y_MN.reshape(*free_shape, *w.shape[:n_w_free])
+
+
+@partial(jax.jit, static_argnums=2)  # inside a jit: one fusion; called eagerly, no [N, M, C] array
+def _few_rows(x_MC: jax.Array, w_NC: jax.Array, out_dtype) -> jax.Array:
+    y_NM = jnp.sum(w_NC[:, None, :].astype(jnp.float32) * x_MC[None].astype(jnp.float32), axis=-1)
+    return y_NM.T.astype(out_dtype)
