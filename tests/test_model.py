@@ -265,14 +265,14 @@ def test_for_decoding_is_the_same_model(name):
         assert dec.blocks[0].w_o.shape == (cfg.n_embd, cfg.n_head, cfg.head_dim)
         assert dec.blocks[0].w_o.get_metadata()["out_sharding"] == ("embed", "heads", None)
     assert jax.tree.map(jnp.shape, nnx.state(model)) == shapes  # the stacked model's kept
-    x = tokens(2, 12, cfg.vocab_size)
+    x = tokens(3, 12, cfg.vocab_size)
     call = nnx.jit(lambda m, x, cache: m(x, cache=cache))  # compiled: eager MoE ops are slow
     np.testing.assert_allclose(call(dec, x, None)[0], call(model, x, None)[0], rtol=1e-5, atol=1e-5)
-    cache = M.init_cache(cfg, 2, 16, jnp.float32)
+    cache = M.init_cache(cfg, 3, 16, jnp.float32)
     (la, ca), (lb, cb) = (call(m, x[:, :8], cache) for m in (model, dec))
     (la, ca), (lb, cb) = (call(m, x[:, 8:9], c) for m, c in ((model, ca), (dec, cb)))
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
-    # 16, 2 and 6 rows: the few-row products; 24 above: a dot with the [out, in] weights
+    # 24, 3 and 9 rows: the few-row products; 36 above: a dot with the [out, in] weights
     (la, ca), (lb, cb) = (call(m, x[:, 9:12], c) for m, c in ((model, ca), (dec, cb)))
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cb.k_LBSHK, ca.k_LBSHK, rtol=1e-5, atol=1e-6)

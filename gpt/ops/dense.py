@@ -137,7 +137,7 @@ _dense_vjp.defvjp(_dense_fwd, _dense_bwd)
 
 # ----------------------------------------------------------------------------- decoding on CPU
 
-FEW_ROWS = 16  # products of 2..FEW_ROWS rows run as multiply-and-reduce in `decode_dense`
+FEW_ROWS = 32  # products of 2..FEW_ROWS rows run as multiply-and-reduce in `decode_dense`
 
 
 def contract_last(spec: str) -> tuple[tuple[int, ...], str]:
