@@ -97,7 +97,7 @@ def test_model_gradients_through_dense_match_reference(dtype, tol, out):
         assert float(jnp.max(jnp.abs(a - b))) / scale < tol
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, D.FEW_ROWS, D.FEW_ROWS + 1])  # matvec, few rows, GEMM
+@pytest.mark.parametrize("rows", [1, 5, D.FEW_ROWS + 1])  # matvec, few rows, GEMM
 @pytest.mark.parametrize("spec,xs,ws", SPECS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_dense_with_out_in_weights_matches_reference(spec, xs, ws, dtype, rows):
