@@ -219,6 +219,14 @@ SPECS = {"w_qkv": "btd,dchk->btchk", "w_q": "btd,dhk->bthk", "w_kv": "btd,dcgk->
          "w_proj": "btf,fd->btd"}
 
 
+def _matmul(rt: Runtime, out_dtype):
+    """x times a weight by einsum spec, as `rt` runs it: `decode_dense` over the [out, in] weights
+    that for_decoding holds on CPU, else `dense` (with its backward)."""
+    if rt.decode_layout:
+        return lambda x, w, spec: decode_dense(x, w, spec, rt.dtype, out_dtype)
+    return lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp, out_dtype)
+
+
 class Block(nnx.Module):
     """Pre-norm Transformer block: x + attn(norm1(x)), then x + mlp(norm2(x)).
 
@@ -318,11 +326,7 @@ class Block(nnx.Module):
         capacity (gpt/moe.py; 0: no token dropped)."""
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
         lora_key = None if key is None else jax.random.fold_in(key, 3)  # the adapters' dropout
-        if rt.decode_layout:  # weights held [out, in] by for_decoding
-            mm = lambda x, w, spec: decode_dense(x, w, spec, rt.dtype, rt.matmul_out)
-        else:
-            mm = lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp,
-                                          rt.matmul_out)
+        mm = _matmul(rt, rt.matmul_out)
 
         h_BTD = normalize(x_BTD, _norm(self.ln1_scale, self.ln1_bias, self.ln1_alpha), cfg)
         q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
@@ -427,11 +431,7 @@ class GPT(nnx.Module):
         # Decoding writes float32 logits: a few rows, no backward to save memory for, and greedy
         # picks are not left to bf16 ties.
         out = jnp.float32 if cache is not None else rt.matmul_out
-        if rt.decode_layout:  # [V, D] is already the layout decode_dense takes
-            logits_BTV = decode_dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, out)
-        else:
-            logits_BTV = dense(x_BTD, head[...], "btd,vd->btv", rt.dtype, rt.cpu_layouts, rt.dense_vjp,
-                               out)
+        logits_BTV = _matmul(rt, out)(x_BTD, head[...], "btd,vd->btv")  # [V, D]: [out, in] already
         valid_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
         return jnp.where(valid_V, logits_BTV, -jnp.inf), cache, stats
 
