@@ -14,7 +14,8 @@ suite goes on):
 - curve: a 300-step shakespeare-char run of `train.py` (its loss curve and loss.png).
 - speculative: `bench/sample.py --speculative`, greedy, batch 1, K=2 and K=4 drafted tokens: the
   `shakespeare` pair (shakespeare-char's 10.7M target, a 25x smaller draft) trained here for 5,000
-  steps each, plain against speculative decoding with the acceptance and the predicted speedup.
+  steps each, plain against speculative decoding with the acceptance and the predicted speedup;
+  then K=4 and K=6 with the same target and a draft distilled from it (`--distill_rows`).
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -57,12 +58,12 @@ def sizes(size: str) -> dict:
                     sample_batches="1,4", new_tokens=8, curve_steps=20,
                     curve_flags=["--preset=tiny", "--eval_interval=10", "--eval_iters=2",
                                  "--log_interval=5"],
-                    spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"])
+                    spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16)
     return dict(train_preset="gpt2", train_variants=TRAIN_FULL, steps=["--steps=10", "--warmup=3"],
                 sample_config="gpt2", sample_batches="1,16,64", new_tokens=256, curve_steps=300,
                 curve_flags=["--preset=shakespeare-char", "--eval_interval=50", "--eval_iters=20",
                              "--log_interval=10"],
-                spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"])
+                spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"], distill_rows=2560)
 
 
 class Runner:
@@ -158,12 +159,14 @@ def part_speculative(r: Runner, sz: dict) -> dict:
     """Plain against speculative decoding; the first run trains the pair (cached for the second)."""
     rows = {}
     env = dict(r.env, GPT_BENCH_CACHE=tempfile.mkdtemp(prefix="gpu-pair-"))
-    for k in (2, 4):
-        cmd = [sys.executable, "bench/sample.py", "--speculative", "--configs=", *sz["spec"],
-               f"--num_draft_tokens={k}"]
+    runs = [(f"K={k}", [f"--num_draft_tokens={k}"]) for k in (2, 4)]
+    runs += [(f"distilled K={k}", [f"--num_draft_tokens={k}", f"--distill_rows={sz['distill_rows']}"])
+             for k in (4, 6)]
+    for name, flags in runs:
+        cmd = [sys.executable, "bench/sample.py", "--speculative", "--configs=", *sz["spec"], *flags]
         rc, text, sec = r.run(cmd, timeout=2 * r.timeout, env=env)
         res = last_json(text) if rc == 0 else None
-        rows[f"K={k}"] = (res or {}).get("speculative") or {"error": why_failed(rc, text)}
+        rows[name] = (res or {}).get("speculative") or {"error": why_failed(rc, text)}
         r.save("speculative", rows)
     shutil.rmtree(env["GPT_BENCH_CACHE"], ignore_errors=True)
     return rows

@@ -36,8 +36,12 @@ pair trained here on the bundled Shakespeare with train.py and cached by its fla
 $GPT_BENCH_CACHE (default ~/.cache/gpt-jax-bench): `shakespeare` is the shakespeare-char target
 (10.7M parameters) and a 2-layer, 128-wide draft (0.4M, 25x smaller); `shakespeare-small-batch`
 the same target trained on 8 rows of 256 a step without dropout, with a 4-layer draft (0.8M, 13x
-smaller), cheap enough to train on a small CPU; `tiny` is a smoke test.
-Greedy (temperature 0), so both paths must give the same tokens (checked). Reported: tokens/s of
+smaller), cheap enough to train on a small CPU; `tiny` is a smoke test. --distill_rows=N distils
+the pair's draft from its target (`distillation_text`): it trains on the target's greedy
+continuations of N windows of the training text, then on the corpus (the target is the pair's own,
+cached as without it).
+Greedy (temperature 0), so both paths must give the same tokens (checked). The plain, draft, verify
+and speculative loops are timed in alternation (--reps rounds, medians). Reported: tokens/s of
 plain cached decoding and of speculative decoding (decode only, prefill excluded), the measured
 speedup, the acceptance rate (accepted / drafted tokens), tokens per target forward (per round),
 Leviathan et al.'s per-token acceptance a solved from them ((1 - a^(K+1)) / (1 - a) tokens per
@@ -63,6 +67,7 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from gpt import metrics as metrics_lib  # noqa: E402
@@ -231,23 +236,63 @@ PAIRS = {  # (target, draft) train.py flags; both on the bundled Shakespeare, so
 }
 
 
-def train_pair(name: str, iters: int, root: Path) -> tuple[Path, Path]:
-    """The pair's checkpoints, trained with train.py on first use and cached by their flags (an
-    interrupted run is resumed)."""
+def train_cached(flags: list[str], iters: int, root: Path) -> Path:
+    """The checkpoint dir of train.py run with `flags` for `iters` steps, trained on first use and
+    cached by the flags (an interrupted run is resumed)."""
     from gpt.checkpoint import list_steps
-    dirs = []
-    for flags in PAIRS[name]:
-        flags = flags + [f"--max_iters={iters}", f"--lr_decay_iters={iters}",
-                         f"--eval_interval={iters}", f"--warmup_iters={min(100, iters // 10)}"]
-        out = root / hashlib.sha256(json.dumps(flags).encode()).hexdigest()[:16]
-        steps = list_steps(out)
-        if not steps or steps[-1] < iters:
-            resume = ["--init_from=resume"] if steps else []
-            print(f"training {' '.join(flags)} into {out}", flush=True)
-            subprocess.run([sys.executable, str(REPO / "train.py"), f"--out_dir={out}", "--no_progress",
-                            *flags, *resume], check=True, cwd=REPO)
-        dirs.append(out)
-    return dirs[0], dirs[1]
+    flags = flags + [f"--max_iters={iters}", f"--lr_decay_iters={iters}",
+                     f"--eval_interval={iters}", f"--warmup_iters={min(100, iters // 10)}"]
+    out = root / hashlib.sha256(json.dumps(flags).encode()).hexdigest()[:16]
+    steps = list_steps(out)
+    if not steps or steps[-1] < iters:
+        resume = ["--init_from=resume"] if steps else []
+        print(f"training {' '.join(flags)} into {out}", flush=True)
+        subprocess.run([sys.executable, str(REPO / "train.py"), f"--out_dir={out}", "--no_progress",
+                        *flags, *resume], check=True, cwd=REPO)
+    return out
+
+
+def train_pair(name: str, iters: int, root: Path, distill_rows: int = 0) -> tuple[Path, Path]:
+    """The pair's checkpoints (target, draft). With distill_rows, the draft is distilled from the
+    target: it trains on the target's greedy continuations of distill_rows windows of the training
+    text, followed by the corpus (`distillation_text`)."""
+    target_flags, draft_flags = PAIRS[name]
+    target = train_cached(target_flags, iters, root)
+    if distill_rows:
+        draft_flags = draft_flags + [f"--input={distillation_text(target, distill_rows, root)}"]
+    return target, train_cached(draft_flags, iters, root)
+
+
+def distillation_text(target_dir: Path, rows: int, root: Path, batch: int = 128) -> Path:
+    """A text file (cached): the target's greedy continuations of `rows` random windows of the
+    bundled corpus's training split, each prompt followed by its continuation, then the corpus
+    itself. Sequence-level distillation (Kim & Rush, 2016; DistillSpec, Zhou et al., 2023): a draft
+    that trained on what the target says at temperature 0 agrees with it far more often than one
+    trained on the corpus alone. The corpus comes last so that the draft's validation split is the
+    corpus's end, which holds `corpus_prompt` and which neither model trained on, and so that the
+    draft's char vocabulary is the target's (`load_draft` checks)."""
+    from gpt.checkpoint import load_model
+    from gpt.corpus import val_cut
+    from gpt.sampling import Sampler
+    out = root / f"distill-{target_dir.name}-{rows}.txt"
+    if out.exists():
+        return out
+    model, _, tok = load_model(target_dir, "float32")
+    corpus = (REPO / "data" / "shakespeare.txt").read_bytes()
+    train = corpus[:val_cut(len(corpus), 0.1)].decode("utf-8", errors="ignore")
+    prompt_len = min(32, model.cfg.block_size // 4)
+    new = min(224, model.cfg.block_size - prompt_len)
+    sampler = Sampler(model, SamplingSettings(max_new_tokens=new, temperature=0.0), chunk=new)
+    rng, pieces = np.random.default_rng(0), []
+    print(f"distilling: {rows} greedy continuations of {new} tokens by the target", flush=True)
+    for first in range(0, rows, batch):
+        starts = rng.integers(0, len(train) - 4 * prompt_len, min(batch, rows - first))
+        prompts = [tok.encode(train[s:s + 4 * prompt_len])[:prompt_len] for s in starts]
+        pieces += [tok.decode(p + o) for p, o in zip(prompts, sampler.generate(prompts, jax.random.key(first)))]
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("\n\n".join(pieces) + "\n\n" + corpus.decode("utf-8"))
+    tmp.replace(out)
+    return out
 
 
 def corpus_prompt(tok, n: int) -> list[int]:
@@ -256,23 +301,24 @@ def corpus_prompt(tok, n: int) -> list[int]:
     return tok.encode(text[-len(text) // 20:])[:n]
 
 
-def time_plain(model: GPT, params, prompt_BP, n: int, reps: int) -> tuple[float, jax.Array]:
-    """(seconds per decode step, tokens) of plain greedy cached decoding, prefill excluded."""
+def plain_loop(model: GPT, params, prompt_BP, n: int):
+    """A compiled call of n plain greedy cached decode steps after the prompt (prefill done here,
+    not timed); it returns the tokens."""
     gd = nnx.graphdef(model)
     s = SamplingSettings(max_new_tokens=n, temperature=0.0)
     start = jnp.zeros((prompt_BP.shape[0],), jnp.int32)
     state = jax.jit(lambda p, x: prefill(nnx.merge(gd, p), x, start, jax.random.key(0), n))(params, prompt_BP)
-    dec = jax.jit(lambda p, st: decode(nnx.merge(gd, p), st, n, s))
-    t, out = timed(lambda: dec(params, state), reps)
-    return t / n, out.tokens_BN
+    dec = jax.jit(lambda p, st: decode(nnx.merge(gd, p), st, n, s).tokens_BN)
+    return lambda: dec(params, state)
 
 
-def time_verify(model: GPT, params, B: int, k: int, context: int, n: int, reps: int) -> float:
-    """Seconds of the target's verifying forward (k + 1 tokens into a per-row cache at `context`),
-    run n times in one compiled loop as the decode steps are, so call overhead is not counted."""
+def verify_loop(model: GPT, params, B: int, k: int, context: int, n: int, slots: int | None = None):
+    """A compiled call of n verifying forwards of the target (k + 1 tokens into a per-row cache
+    at `context`) in one loop, as the decode steps run, so call overhead is not counted. `slots`:
+    the cache's size (the speculative loop's, which attention reads whole; default: just enough)."""
     from gpt.model import init_cache
     gd = nnx.graphdef(model)
-    cache = init_cache(model.cfg, B, min(context + k + 1, model.cfg.block_size), model.rt.dtype)
+    cache = init_cache(model.cfg, B, slots or min(context + k + 1, model.cfg.block_size), model.rt.dtype)
     cache = cache._replace(index=jnp.full((B,), min(context, cache.k_LBSHK.shape[2] - k - 1), jnp.int32))
 
     @jax.jit
@@ -284,11 +330,12 @@ def time_verify(model: GPT, params, B: int, k: int, context: int, n: int, reps: 
             logits_BTV, written = m(tokens_BT, cache=c)
             return written._replace(index=c.index), jnp.argmax(logits_BTV, -1).astype(jnp.int32)
         return jax.lax.fori_loop(0, n, body, (cache, jnp.zeros((B, k + 1), jnp.int32)))[1]
-    return timed(lambda: loop(params, cache), reps)[0] / n
+    return lambda: loop(params, cache)
 
 
-def time_speculative(target: GPT, draft: GPT, pt, pd, prompt_BP, n: int, k: int, reps: int):
-    """(seconds of the decode loop, final state) of greedy speculative decoding, prefill excluded."""
+def speculative_loop(target: GPT, draft: GPT, pt, pd, prompt_BP, n: int, k: int):
+    """A compiled call of greedy speculative decoding of n tokens (prefill done here); it returns
+    the final state."""
     gt, gd = nnx.graphdef(target), nnx.graphdef(draft)
     s = SamplingSettings(max_new_tokens=n, temperature=0.0)
     start = jnp.zeros((prompt_BP.shape[0],), jnp.int32)
@@ -296,7 +343,34 @@ def time_speculative(target: GPT, draft: GPT, pt, pd, prompt_BP, n: int, k: int,
     st = jax.jit(lambda pt, pd, x: spec.prefill_speculative(*merge(pt, pd), x, start, jax.random.key(0), s, k))(
         pt, pd, prompt_BP)
     dec = jax.jit(lambda pt, pd, st: spec.decode_speculative(*merge(pt, pd), st, s, k, n))
-    return timed(lambda: dec(pt, pd, st), reps)
+    return lambda: dec(pt, pd, st)
+
+
+def time_plain(model: GPT, params, prompt_BP, n: int, reps: int) -> tuple[float, jax.Array]:
+    """(seconds per decode step, tokens) of plain greedy cached decoding, prefill excluded."""
+    t, out = timed(plain_loop(model, params, prompt_BP, n), reps)
+    return t / n, out
+
+
+def time_verify(model: GPT, params, B: int, k: int, context: int, n: int, reps: int,
+                slots: int | None = None) -> float:
+    """Seconds of one verifying forward (`verify_loop`)."""
+    return timed(verify_loop(model, params, B, k, context, n, slots), reps)[0] / n
+
+
+def interleaved(fns: dict, reps: int) -> dict:
+    """{name: (median seconds, output)}: each function warmed up, then timed once per round, the
+    rounds alternating between them, so that a machine whose speed drifts over minutes (a shared
+    VM) slows every one alike and the ratios hold."""
+    out = {name: fn() for name, fn in fns.items()}  # compile and warm up
+    jax.block_until_ready(list(out.values()))
+    ts = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            out[name] = jax.block_until_ready(fn())
+            ts[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(ts[name]), out[name]) for name in fns}
 
 
 def per_token_acceptance(tokens_per_round: float, k: int) -> float:
@@ -324,7 +398,7 @@ def bench_speculative(args) -> dict:
         target_dir, draft_dir = Path(args.target_dir), Path(args.draft_dir)
     else:
         root = Path(os.environ.get("GPT_BENCH_CACHE", Path.home() / ".cache" / "gpt-jax-bench"))
-        target_dir, draft_dir = train_pair(args.pair, args.pair_iters, root)
+        target_dir, draft_dir = train_pair(args.pair, args.pair_iters, root, args.distill_rows)
     target, _, tok = load_model(target_dir, args.dtype)
     draft = spec.load_draft(str(draft_dir), args.dtype, target, tok, str(target_dir), args.num_draft_tokens)
     target, draft = for_decoding(target), for_decoding(draft)  # as the samplers hold them
@@ -335,10 +409,12 @@ def bench_speculative(args) -> dict:
     P = prompt_BP.shape[1]
     if P + 1 + N + K > min(target.cfg.block_size, draft.cfg.block_size):
         print(f"note: prompt + new tokens + {K} pass a block_size; rounds past it are target-only steps")
-    t_target, plain_tokens = time_plain(target, pt, prompt_BP, N, args.reps)
-    t_draft, _ = time_plain(draft, pd, prompt_BP, N, args.reps)
-    t_verify = time_verify(target, pt, B, K, P + N // 2, N, args.reps)
-    t_spec, st = time_speculative(target, draft, pt, pd, prompt_BP, N, K, args.reps)
+    slots = spec.cache_slots(target.cfg, P + 1 + N, K)  # the loop's cache (one padding column in front)
+    t = interleaved({"target": plain_loop(target, pt, prompt_BP, N), "draft": plain_loop(draft, pd, prompt_BP, N),
+                     "verify": verify_loop(target, pt, B, K, P + N // 2, N, slots),
+                     "speculative": speculative_loop(target, draft, pt, pd, prompt_BP, N, K)}, args.reps)
+    (t_target, plain_tokens), (t_spec, st) = t["target"], t["speculative"]
+    t_target, t_draft, t_verify = t_target / N, t["draft"][0] / N, t["verify"][0] / N
     stats = spec.SpeculativeSampler.stats(st)
     alpha = stats["acceptance_rate"]
     per_round = N / stats["target_forwards"]  # tokens per round (one target forward each)
@@ -386,6 +462,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--speculative", action="store_true", help="also plain vs speculative decoding")
     ap.add_argument("--pair", default="shakespeare", choices=tuple(PAIRS))
     ap.add_argument("--pair_iters", type=int, default=2000, help="training steps of each model of --pair")
+    ap.add_argument("--distill_rows", type=int, default=0,
+                    help="N > 0: the pair's draft trains on N greedy continuations by its target first")
     ap.add_argument("--target_dir", default="", help="a trained target (with --draft_dir: no training)")
     ap.add_argument("--draft_dir", default="")
     ap.add_argument("--num_draft_tokens", type=int, default=4)
@@ -399,6 +477,8 @@ def main(argv: list[str]) -> int:
     for c in configs:
         if c not in PRESETS:
             ap.error(f"unknown config {c!r} (choose from {', '.join(PRESETS)})")
+    if args.distill_rows < 0 or (args.distill_rows and args.target_dir):
+        ap.error("--distill_rows must be >= 0, and applies to a --pair trained here, not to --target_dir")
     cache_dir = enable_compile_cache()
     device = metrics_lib.device_name()
     args.copy_gbps = metrics_lib.measure_copy_gbps()

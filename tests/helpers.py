@@ -104,3 +104,21 @@ def make_hf_tokenizer(model_dir: Path, vocab_size: int = 290, text: str | None =
     model_dir.mkdir(parents=True, exist_ok=True)
     hf.save(str(model_dir / "tokenizer.json"))
     return model_dir / "tokenizer.json"
+
+
+CHARS = "".join(sorted(set((REPO / "data" / "shakespeare.txt").read_text()[:100_000])))
+
+
+def save_checkpoint(out_dir, model, chars: str = CHARS) -> None:
+    """`model` as a step-0 checkpoint with a char tokenizer (as gpt.convert writes one)."""
+    import numpy as np
+    from flax import nnx
+
+    from gpt import checkpoint as ckpt
+    from gpt.config import to_dict
+    meta = {"format_version": ckpt.FORMAT_VERSION, "step": 0,
+            "config": {"model": to_dict(model.cfg), "train": {}},
+            "tokenizer": {"kind": "char", "chars": chars, "vocab_size": len(chars), "eot_id": None}}
+    c = ckpt.Checkpointer(out_dir, keep=1, async_save=False)
+    c.save(0, nnx.to_pure_dict(nnx.state(model)), {"none": np.zeros((), np.int32)}, meta, val_loss=None)
+    c.close()

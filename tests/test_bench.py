@@ -41,6 +41,34 @@ def test_bench_sample_smoke():
     assert rows[0]["baseline_tokens_per_sec"] > 0 and rows[1]["baseline_tokens_per_sec"] is None
 
 
+def test_distillation_text_is_the_targets_greedy_text_then_the_corpus(tmp_path):
+    """bench/sample.py's distilled draft trains on the target's greedy continuations of windows of
+    the training split, then the whole corpus (its validation split stays the corpus's end); the
+    file is built once and reused."""
+    import jax
+    from flax import nnx
+    from helpers import CHARS, save_checkpoint, tiny_model_config
+    from bench import sample as bs
+    from gpt.model import GPT
+    from gpt.sampling import Sampler, SamplingSettings
+    from gpt.tokenizer import CharTokenizer
+    target = GPT(tiny_model_config(vocab_size=len(CHARS), block_size=64), rngs=nnx.Rngs(3))
+    save_checkpoint(tmp_path / "target", target)
+    path = bs.distillation_text(tmp_path / "target", 3, tmp_path, batch=2)
+    corpus = (REPO / "data" / "shakespeare.txt").read_text()
+    text = path.read_text()
+    assert text.endswith(corpus) and len(text) == 3 * (64 + 2) + len(corpus)
+    pieces = [text[i * 66:i * 66 + 64] for i in range(3)]  # prompt 16 + 48 new chars, then a blank line
+    assert all(p[:16] in corpus[:int(0.9 * len(corpus))] for p in pieces)
+    tok = CharTokenizer(CHARS)
+    again = Sampler(target, SamplingSettings(max_new_tokens=48, temperature=0.0), chunk=48).generate(
+        [tok.encode(p[:16]) for p in pieces[:2]], jax.random.key(0))  # the first batch of two rows
+    assert [tok.decode(o) for o in again] == [p[16:] for p in pieces[:2]]
+    before = path.stat().st_mtime_ns
+    assert bs.distillation_text(tmp_path / "target", 3, tmp_path, batch=2) == path
+    assert path.stat().st_mtime_ns == before
+
+
 @pytest.mark.slow  # minutes on 2 cores; a session with a GPU runs bench/gpu.py itself
 def test_gpu_suite_runs_at_tiny_size(tmp_path):
     """bench/gpu.py end to end on CPU with tiny models: every part runs and lands in gpu.json,
@@ -57,7 +85,7 @@ def test_gpu_suite_runs_at_tiny_size(tmp_path):
     assert len(rows) == 4 and all(0 < row["bw_util"] for row in rows)
     assert res["curve"]["exit"] == 0 and [s for s, *_ in res["curve"]["eval"]] == [10, 20]
     spec = res["speculative"]
-    assert sorted(spec) == ["K=2", "K=4"] and all(x["same_tokens"] and x["speedup"] > 0
+    assert list(spec) == ["K=2", "K=4", "distilled K=4", "distilled K=6"] and all(x["same_tokens"] and x["speedup"] > 0
                                                   for x in spec.values())
     assert (tmp_path / "loss.png").stat().st_size > 0
     md = (tmp_path / "gpu.md").read_text()

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from scipy.stats import chisquare
 
-from helpers import REPO, tiny_model_config
+from helpers import CHARS, REPO, save_checkpoint, tiny_model_config
 from gpt.model import GPT, init_cache
 from gpt.sampling import SamplingSettings, generate, left_pad
 from gpt.speculative import (SpeculativeSampler, generate_speculative, output_tokens, probs, speculate,
@@ -275,21 +275,6 @@ def test_end_to_end_two_tokens_distributed_as_target():
 
 
 # ----------------------------------------------------------------------------- sample.py --draft_out_dir
-
-
-CHARS = "".join(sorted(set((REPO / "data" / "shakespeare.txt").read_text()[:100_000])))
-
-
-def save_checkpoint(out_dir, model: GPT, chars: str = CHARS) -> None:
-    """`model` as a step-0 checkpoint with a char tokenizer (as gpt.convert writes one)."""
-    from gpt import checkpoint as ckpt
-    from gpt.config import to_dict
-    meta = {"format_version": ckpt.FORMAT_VERSION, "step": 0,
-            "config": {"model": to_dict(model.cfg), "train": {}},
-            "tokenizer": {"kind": "char", "chars": chars, "vocab_size": len(chars), "eot_id": None}}
-    c = ckpt.Checkpointer(out_dir, keep=1, async_save=False)
-    c.save(0, nnx.to_pure_dict(nnx.state(model)), {"none": np.zeros((), np.int32)}, meta, val_loss=None)
-    c.close()
 
 
 @pytest.fixture(scope="module")
