@@ -45,9 +45,10 @@ and speculative loops are timed in alternation (--reps rounds, medians). Reporte
 plain cached decoding and of speculative decoding (decode only, prefill excluded), the measured
 speedup, the acceptance rate (accepted / drafted tokens), tokens per target forward (per round),
 Leviathan et al.'s per-token acceptance a solved from them ((1 - a^(K+1)) / (1 - a) tokens per
-round), the step times of the target, the draft and the target's (K+1)-token verifying forward,
-and the speedup they predict: tokens per round over the round's cost (K draft steps + one
-verifying forward) in target steps.
+round), the step times of the target, the draft (and its first call of a round, which feeds two
+tokens) and the target's (K+1)-token verifying forward, and the speedup they predict: tokens per
+round over the round's cost (the draft's first call, K-1 draft steps, one verifying forward) in
+target steps.
 The last line printed is one JSON object.
 """
 from __future__ import annotations
@@ -385,10 +386,12 @@ def per_token_acceptance(tokens_per_round: float, k: int) -> float:
 
 
 def predicted_speedup(tokens_per_round: float, k: int, t_target: float, t_draft: float,
-                      t_verify: float) -> float:
-    """The measured tokens per round (per target forward) over a round's cost (k draft steps and one
-    verifying forward) in target steps."""
-    return tokens_per_round * t_target / (k * t_draft + t_verify)
+                      t_verify: float, t_draft_first: float | None = None) -> float:
+    """The measured tokens per round (per target forward) over a round's cost in target steps: the
+    draft's first call (two tokens: the last kept one and the target's; `t_draft_first`, default
+    one step), k - 1 one-token draft steps and one verifying forward."""
+    first = t_draft if t_draft_first is None else t_draft_first
+    return tokens_per_round * t_target / (first + (k - 1) * t_draft + t_verify)
 
 
 def bench_speculative(args) -> dict:
@@ -412,9 +415,12 @@ def bench_speculative(args) -> dict:
     slots = spec.cache_slots(target.cfg, P + 1 + N, K)  # the loop's cache (one padding column in front)
     t = interleaved({"target": plain_loop(target, pt, prompt_BP, N), "draft": plain_loop(draft, pd, prompt_BP, N),
                      "verify": verify_loop(target, pt, B, K, P + N // 2, N, slots),
+                     "draft_first": verify_loop(draft, pd, B, 1, P + N // 2, N,
+                                                spec.cache_slots(draft.cfg, P + 1 + N, K)),
                      "speculative": speculative_loop(target, draft, pt, pd, prompt_BP, N, K)}, args.reps)
     (t_target, plain_tokens), (t_spec, st) = t["target"], t["speculative"]
     t_target, t_draft, t_verify = t_target / N, t["draft"][0] / N, t["verify"][0] / N
+    t_first = t["draft_first"][0] / N
     stats = spec.SpeculativeSampler.stats(st)
     alpha = stats["acceptance_rate"]
     per_round = N / stats["target_forwards"]  # tokens per round (one target forward each)
@@ -425,8 +431,9 @@ def bench_speculative(args) -> dict:
            "speculative_tokens_per_sec": B * N / t_spec, "speedup": t_target * N / t_spec,
            "acceptance_rate": alpha, "tokens_per_target_forward": per_round,
            "target_step_ms": 1e3 * t_target, "draft_step_ms": 1e3 * t_draft, "verify_ms": 1e3 * t_verify,
+           "draft_first_ms": 1e3 * t_first,
            "per_token_acceptance": per_token_acceptance(per_round, K),
-           "predicted_speedup": predicted_speedup(per_round, K, t_target, t_draft, t_verify),
+           "predicted_speedup": predicted_speedup(per_round, K, t_target, t_draft, t_verify, t_first),
            "same_tokens": bool((spec.output_tokens(st, None, K)[:, 1:] == plain_tokens).all()),
            **bandwidth_bound(target.cfg, B, P + N / 2, weight_bytes, jnp.dtype(target.rt.dtype).itemsize,
                              args.copy_gbps, t_target, args.read_gbps)}
@@ -436,7 +443,8 @@ def bench_speculative(args) -> dict:
           f"{row['predicted_speedup']:.2f}x); acceptance {100 * alpha:.0f}% of drafts, "
           f"{100 * row['per_token_acceptance']:.0f}% per token, "
           f"{row['tokens_per_target_forward']:.2f} tokens per target forward; steps: target "
-          f"{row['target_step_ms']:.2f} ms, draft {row['draft_step_ms']:.2f} ms, verify "
+          f"{row['target_step_ms']:.2f} ms, draft {row['draft_step_ms']:.2f} ms (first of a round "
+          f"{row['draft_first_ms']:.2f} ms), verify "
           f"{row['verify_ms']:.2f} ms; same tokens: {row['same_tokens']}", flush=True)
     return row
 
