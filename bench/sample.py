@@ -38,8 +38,8 @@ $GPT_BENCH_CACHE (default ~/.cache/gpt-jax-bench): `shakespeare` is the shakespe
 the same target trained on 8 rows of 256 a step without dropout, with a 4-layer draft (0.8M, 13x
 smaller), cheap enough to train on a small CPU; `tiny` is a smoke test. --distill_rows=N distils
 the pair's draft from its target (`distillation_text`): it trains on the target's greedy
-continuations of N windows of the training text, then on the corpus (the target is the pair's own,
-cached as without it).
+continuations of N windows of the training text mixed with the corpus (the target is the pair's
+own, cached as without it).
 Greedy (temperature 0), so both paths must give the same tokens (checked). The plain, draft, verify
 and speculative loops are timed in alternation (--reps rounds, medians). Reported: tokens/s of
 plain cached decoding and of speculative decoding (decode only, prefill excluded), the measured
@@ -255,8 +255,8 @@ def train_cached(flags: list[str], iters: int, root: Path) -> Path:
 
 def train_pair(name: str, iters: int, root: Path, distill_rows: int = 0) -> tuple[Path, Path]:
     """The pair's checkpoints (target, draft). With distill_rows, the draft is distilled from the
-    target: it trains on the target's greedy continuations of distill_rows windows of the training
-    text, followed by the corpus (`distillation_text`)."""
+    target: it trains on one file, the target's greedy continuations of distill_rows windows of the
+    training text followed by the corpus (`distillation_text`), drawing windows from all of it."""
     target_flags, draft_flags = PAIRS[name]
     target = train_cached(target_flags, iters, root)
     if distill_rows:
@@ -264,18 +264,24 @@ def train_pair(name: str, iters: int, root: Path, distill_rows: int = 0) -> tupl
     return target, train_cached(draft_flags, iters, root)
 
 
+DISTILL_FORMAT = 1  # raise when `distillation_text` generates differently
+
+
 def distillation_text(target_dir: Path, rows: int, root: Path, batch: int = 128) -> Path:
     """A text file (cached): the target's greedy continuations of `rows` random windows of the
     bundled corpus's training split, each prompt followed by its continuation, then the corpus
     itself. Sequence-level distillation (Kim & Rush, 2016; DistillSpec, Zhou et al., 2023): a draft
     that trained on what the target says at temperature 0 agrees with it far more often than one
-    trained on the corpus alone. The corpus comes last so that the draft's validation split is the
-    corpus's end, which holds `corpus_prompt` and which neither model trained on, and so that the
-    draft's char vocabulary is the target's (`load_draft` checks)."""
+    trained on the corpus alone. The corpus comes last so that the draft's validation split (the
+    file's last 10%) lies in the corpus's end, and so that the draft's char vocabulary is the
+    target's (`load_draft` checks). That split is longer than the target's, so part of it is text
+    the target trained on; `corpus_prompt` (the last 5%) stays unseen by both while the
+    continuations are under 9x the corpus. The name carries DISTILL_FORMAT, to be raised whenever
+    the generation changes, so that a stale file (and the draft cached by its path) is not reused."""
     from gpt.checkpoint import load_model
     from gpt.corpus import val_cut
     from gpt.sampling import Sampler
-    out = root / f"distill-{target_dir.name}-{rows}.txt"
+    out = root / f"distill-v{DISTILL_FORMAT}-{target_dir.name}-{rows}x{batch}.txt"
     if out.exists():
         return out
     model, _, tok = load_model(target_dir, "float32")
@@ -290,7 +296,7 @@ def distillation_text(target_dir: Path, rows: int, root: Path, batch: int = 128)
         starts = rng.integers(0, len(train) - 4 * prompt_len, min(batch, rows - first))
         prompts = [tok.encode(train[s:s + 4 * prompt_len])[:prompt_len] for s in starts]
         pieces += [tok.decode(p + o) for p, o in zip(prompts, sampler.generate(prompts, jax.random.key(first)))]
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     tmp.write_text("\n\n".join(pieces) + "\n\n" + corpus.decode("utf-8"))
     tmp.replace(out)
     return out
@@ -345,18 +351,6 @@ def speculative_loop(target: GPT, draft: GPT, pt, pd, prompt_BP, n: int, k: int)
         pt, pd, prompt_BP)
     dec = jax.jit(lambda pt, pd, st: spec.decode_speculative(*merge(pt, pd), st, s, k, n))
     return lambda: dec(pt, pd, st)
-
-
-def time_plain(model: GPT, params, prompt_BP, n: int, reps: int) -> tuple[float, jax.Array]:
-    """(seconds per decode step, tokens) of plain greedy cached decoding, prefill excluded."""
-    t, out = timed(plain_loop(model, params, prompt_BP, n), reps)
-    return t / n, out
-
-
-def time_verify(model: GPT, params, B: int, k: int, context: int, n: int, reps: int,
-                slots: int | None = None) -> float:
-    """Seconds of one verifying forward (`verify_loop`)."""
-    return timed(verify_loop(model, params, B, k, context, n, slots), reps)[0] / n
 
 
 def interleaved(fns: dict, reps: int) -> dict:
@@ -471,7 +465,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--pair", default="shakespeare", choices=tuple(PAIRS))
     ap.add_argument("--pair_iters", type=int, default=2000, help="training steps of each model of --pair")
     ap.add_argument("--distill_rows", type=int, default=0,
-                    help="N > 0: the pair's draft trains on N greedy continuations by its target first")
+                    help="N > 0: the pair's draft also trains on N greedy continuations by its target")
     ap.add_argument("--target_dir", default="", help="a trained target (with --draft_dir: no training)")
     ap.add_argument("--draft_dir", default="")
     ap.add_argument("--num_draft_tokens", type=int, default=4)
