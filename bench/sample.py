@@ -94,16 +94,24 @@ def build_model(name: str, dtype: str) -> tuple[ModelConfig, GPT]:
     return cfg, GPT(cfg, rngs=nnx.Rngs(0), runtime=rt)
 
 
-def timed(fn, reps: int):
-    out = fn()  # warm-up (compiles)
-    jax.block_until_ready(out)
-    ts = []
+def interleaved(fns: dict, reps: int) -> dict:
+    """{name: (median seconds, output)}: each function warmed up, then timed once per round, the
+    rounds alternating between them, so that a machine whose speed drifts over minutes (a shared
+    VM) slows every one alike and the ratios hold."""
+    out = {name: fn() for name, fn in fns.items()}  # compile and warm up
+    jax.block_until_ready(list(out.values()))
+    ts = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        jax.block_until_ready(out)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), out
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            out[name] = jax.block_until_ready(fn())
+            ts[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(ts[name]), out[name]) for name in fns}
+
+
+def timed(fn, reps: int):
+    """(median seconds, output) of `fn` after a warm-up call that compiles it."""
+    return interleaved({"fn": fn}, reps)["fn"]
 
 
 def bench_config(name: str, args) -> list[dict]:
@@ -353,21 +361,6 @@ def speculative_loop(target: GPT, draft: GPT, pt, pd, prompt_BP, n: int, k: int)
     return lambda: dec(pt, pd, st)
 
 
-def interleaved(fns: dict, reps: int) -> dict:
-    """{name: (median seconds, output)}: each function warmed up, then timed once per round, the
-    rounds alternating between them, so that a machine whose speed drifts over minutes (a shared
-    VM) slows every one alike and the ratios hold."""
-    out = {name: fn() for name, fn in fns.items()}  # compile and warm up
-    jax.block_until_ready(list(out.values()))
-    ts = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            out[name] = jax.block_until_ready(fn())
-            ts[name].append(time.perf_counter() - t0)
-    return {name: (statistics.median(ts[name]), out[name]) for name in fns}
-
-
 def per_token_acceptance(tokens_per_round: float, k: int) -> float:
     """Leviathan et al.'s alpha, the chance that one drafted token is accepted, from the measured
     tokens per round (1 - a^(k+1)) / (1 - a) (bisection: increasing in a). Not the same as
@@ -412,9 +405,9 @@ def bench_speculative(args) -> dict:
                      "draft_first": verify_loop(draft, pd, B, 1, P + N // 2, N,
                                                 spec.cache_slots(draft.cfg, P + 1 + N, K)),
                      "speculative": speculative_loop(target, draft, pt, pd, prompt_BP, N, K)}, args.reps)
-    (t_target, plain_tokens), (t_spec, st) = t["target"], t["speculative"]
-    t_target, t_draft, t_verify = t_target / N, t["draft"][0] / N, t["verify"][0] / N
-    t_first = t["draft_first"][0] / N
+    (t_spec, st), plain_tokens = t["speculative"], t["target"][1]
+    t_target, t_draft, t_verify, t_first = (t[name][0] / N
+                                            for name in ("target", "draft", "verify", "draft_first"))
     stats = spec.SpeculativeSampler.stats(st)
     alpha = stats["acceptance_rate"]
     per_round = N / stats["target_forwards"]  # tokens per round (one target forward each)
