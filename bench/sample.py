@@ -334,7 +334,7 @@ def verify_loop(model: GPT, params, B: int, k: int, context: int, n: int, slots:
     from gpt.model import init_cache
     gd = nnx.graphdef(model)
     cache = init_cache(model.cfg, B, slots or min(context + k + 1, model.cfg.block_size), model.rt.dtype)
-    cache = cache._replace(index=jnp.full((B,), min(context, cache.k_LBSHK.shape[2] - k - 1), jnp.int32))
+    cache = cache._replace(index=jnp.full((B,), min(context, cache.slots - k - 1), jnp.int32))
 
     @jax.jit
     def loop(params, cache):

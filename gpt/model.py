@@ -33,7 +33,7 @@ from gpt import lora as lora_lib
 from gpt import moe as moe_lib
 from gpt import runtime as runtime_lib
 from gpt.config import ModelConfig
-from gpt.ops.attention import attention
+from gpt.ops.attention import attention, cached_attention
 from gpt.ops.dense import contract_last, decode_dense, dense
 from gpt.ops.dropout import dropout
 from gpt.ops.norm import layer_norm, rms_norm
@@ -57,19 +57,25 @@ class KVCache(NamedTuple):
     Rows of different prompt lengths are left-padded, and `start_B` is each row's first real token,
     so padding is never attended to and positions count from it (a negative start: the row began
     before the cache's first token, as when a window from the middle of a text is recomputed at
-    its own positions).
+    its own positions). Keys are held [L, B, G, K, S] and values [L, B, G, S, K], the layouts the
+    two products of attention read in place (`gpt.ops.attention.cached_attention`).
     """
-    k_LBSHK: jax.Array
-    v_LBSHK: jax.Array
+    k_LBGKS: jax.Array  # keys, head dim before slots: the scores' product reads them in place
+    v_LBGSK: jax.Array  # values, slots before head dim: the weighted sum reads them in place
     index: jax.Array  # int32: scalar (shared by all rows) or [B] (per row)
     start_B: jax.Array  # int32 [B]
+
+    @property
+    def slots(self) -> int:
+        return self.v_LBGSK.shape[-2]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype,
                start_B: jax.Array | None = None) -> KVCache:
-    shape = (cfg.n_layer, batch, max_len, cfg.kv_heads, cfg.head_dim)  # GQA: n_kv_head heads
+    lead = (cfg.n_layer, batch, cfg.kv_heads)  # GQA: n_kv_head heads
     start = jnp.zeros((batch,), jnp.int32) if start_B is None else jnp.asarray(start_B, jnp.int32)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.array(0, jnp.int32), start)
+    return KVCache(jnp.zeros((*lead, cfg.head_dim, max_len), dtype),
+                   jnp.zeros((*lead, max_len, cfg.head_dim), dtype), jnp.array(0, jnp.int32), start)
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -115,7 +121,7 @@ def cache_positions(cache: KVCache | None, B: int, T: int, window: int
     own. With a per-row index the token numbers below gain a leading B axis (x: none, or B)."""
     if cache is None:
         return jnp.broadcast_to(jnp.arange(T), (B, T)), None
-    S = cache.k_LBSHK.shape[2]
+    S = cache.slots
     window = min(window, S)
     index_x = cache.index if jnp.ndim(cache.index) == 0 else cache.index[:, None]
     query_xT = index_x + jnp.arange(T)  # token numbers of this call's queries
@@ -128,39 +134,51 @@ def cache_positions(cache: KVCache | None, B: int, T: int, window: int
     return positions_BT, mask_BTS
 
 
-def write_cache(cache_xBSGK: jax.Array, new_xBTGK: jax.Array, index: jax.Array,
+def write_cache(cache: jax.Array, new_xBTGK: jax.Array, index: jax.Array, slot_axis: int,
                 layer: int | None = None) -> jax.Array:
     """`new` (this call's keys or values, any leading axes x) written into the cache's slots from
     `index` on (see KVCache): one slice for a shared index, a per-row scatter (wrapping around the
-    ring) for an index of shape [B]. `layer`: `new` has no layer axis and goes into that layer of
-    a cache that has one ([L, B, S, G, K])."""
-    S, T = cache_xBSGK.shape[-3], new_xBTGK.shape[-3]
-    new_xBTGK = new_xBTGK.astype(cache_xBSGK.dtype)
+    ring) for an index of shape [B]. `slot_axis`: -1 for the keys [x, B, G, K, S], -2 for the
+    values [x, B, G, S, K]. `layer`: `new` has no layer axis and goes into that layer of a cache
+    that has one."""
+    S, T = cache.shape[slot_axis], new_xBTGK.shape[-3]
+    new_xBTGK = new_xBTGK.astype(cache.dtype)
     if jnp.ndim(index) == 0:
-        at = (0,) * (cache_xBSGK.ndim - 3) + (index % S, 0, 0)
+        new = jnp.moveaxis(new_xBTGK, -3, slot_axis)  # [x, B, G, K, T] or [x, B, G, T, K]
+        at = [0] * cache.ndim
+        at[slot_axis] = index % S
         if layer is not None:
-            new_xBTGK, at = new_xBTGK[None], (layer, *at[1:])
-        return jax.lax.dynamic_update_slice(cache_xBSGK, new_xBTGK, at)
+            new, at[0] = new[None], layer
+        return jax.lax.dynamic_update_slice(cache, new, tuple(at))
     slots_BT = jnp.mod(index[:, None] + jnp.arange(T), S)
     rows_B1 = jnp.arange(index.shape[0])[:, None]
     lead = () if layer is None else (layer,)
-    return cache_xBSGK.at[(*lead, ..., rows_B1, slots_BT, slice(None), slice(None))].set(new_xBTGK)
+    _ = slice(None)
+    at = (*lead, ..., rows_B1, _, _, slots_BT) if slot_axis == -1 else (*lead, ..., rows_B1, _, slots_BT, _)
+    # Row and slot indices apart: the indexed axes come first, the update is [B, T, x, G, K].
+    return cache.at[at].set(jnp.moveaxis(new_xBTGK, (-4, -3), (0, 1)))
+
+
+def _write_kv(cache: KVCache, k_xBTGK: jax.Array, v_xBTGK: jax.Array, layer: int | None = None
+              ) -> tuple[jax.Array, jax.Array]:
+    return (write_cache(cache.k_LBGKS, k_xBTGK, cache.index, -1, layer),
+            write_cache(cache.v_LBGSK, v_xBTGK, cache.index, -2, layer))
 
 
 def advance_cache(cache: KVCache, k_LBTGK: jax.Array, v_LBTGK: jax.Array) -> KVCache:
     """The cache with this call's keys/values of every layer written into their slots."""
-    k_LBSHK, v_LBSHK = (write_cache(c, new, cache.index)
-                        for c, new in ((cache.k_LBSHK, k_LBTGK), (cache.v_LBSHK, v_LBTGK)))
-    return KVCache(k_LBSHK, v_LBSHK, cache.index + k_LBTGK.shape[2], cache.start_B)
+    k_LBGKS, v_LBGSK = _write_kv(cache, k_LBTGK, v_LBTGK)
+    return KVCache(k_LBGKS, v_LBGSK, cache.index + k_LBTGK.shape[2], cache.start_B)
 
 
 def _write_group_layer(kv_group, j: int, index, written: list, k_BTGK, v_BTGK):
-    """A `Block`'s cache_write in the layer scan: layer j of the group's cache slices [n, B, S, G, K]
-    with this call's keys/values written, for attention; the new keys/values are collected in
-    `written` and go into the stacked cache once, after the scan (returning each layer's updated
-    slice would copy it every decode step)."""
+    """A `Block`'s cache_write in the layer scan: layer j of the group's cache slices ([n, B, G, K,
+    S] keys, [n, B, G, S, K] values) with this call's keys/values written, for attention; the new
+    keys/values are collected in `written` and go into the stacked cache once, after the scan
+    (returning each layer's updated slice would copy it every decode step)."""
     written.append(tuple(new.astype(c.dtype) for c, new in zip(kv_group, (k_BTGK, v_BTGK))))
-    return tuple(write_cache(c[j], new, index) for c, new in zip(kv_group, written[-1]))
+    return tuple(write_cache(c[j], new, index, axis)
+                 for c, new, axis in zip(kv_group, written[-1], (-1, -2)))
 
 
 def _write_layer(held: list, layer: int, k_BTGK, v_BTGK):
@@ -169,11 +187,9 @@ def _write_layer(held: list, layer: int, k_BTGK, v_BTGK):
     slices read back. Writing first keeps every read after the write it depends on, so XLA updates
     the cache in place; reading the old slices and writing all layers at the end made it copy the
     whole cache twice per decode step."""
-    c = held[0]
-    k_LBSHK, v_LBSHK = (write_cache(a, new, c.index, layer)
-                        for a, new in ((c.k_LBSHK, k_BTGK), (c.v_LBSHK, v_BTGK)))
-    held[0] = c._replace(k_LBSHK=k_LBSHK, v_LBSHK=v_LBSHK)
-    return k_LBSHK[layer], v_LBSHK[layer]
+    k_LBGKS, v_LBGSK = _write_kv(held[0], k_BTGK, v_BTGK, layer)
+    held[0] = held[0]._replace(k_LBGKS=k_LBGKS, v_LBGSK=v_LBGSK)
+    return k_LBGKS[layer], v_LBGSK[layer]
 
 
 def _value(p: nnx.Param | None):
@@ -332,13 +348,13 @@ class Block(nnx.Module):
         q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
                                   for a in self.qkv(h_BTD, positions_BT, cfg, mm, lora_key))
         if cache_write is None:
-            k_BSGK, v_BSGK, impl = k_BTGK, v_BTGK, rt.attention
+            groups = cfg.n_head // cfg.kv_heads  # each key/value head serves `groups` query heads
+            k_BTHK, v_BTHK = (jnp.repeat(a, groups, axis=2) if groups > 1 else a for a in (k_BTGK, v_BTGK))
+            y_BTHK = attention(q_BTHK, k_BTHK, v_BTHK, None, rt.attention, cpu_layouts=rt.cpu_layouts,
+                               rate=rt.dropout, key=keys[0], block=rt.attention_block)
         else:
-            (k_BSGK, v_BSGK), impl = cache_write(k_BTGK, v_BTGK), rt.cached_attention
-        groups = cfg.n_head // cfg.kv_heads  # each key/value head serves `groups` query heads
-        k_BSHK, v_BSHK = (jnp.repeat(a, groups, axis=2) if groups > 1 else a for a in (k_BSGK, v_BSGK))
-        y_BTHK = attention(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl, cpu_layouts=rt.cpu_layouts,
-                           rate=rt.dropout, key=keys[0], block=rt.attention_block)
+            k_BGKS, v_BGSK = cache_write(k_BTGK, v_BTGK)
+            y_BTHK = cached_attention(q_BTHK, k_BGKS, v_BGSK, mask_BTS, rt.cached_attention)
         attn_BTD = _add_bias(self.linear("w_o", y_BTHK, SPECS["w_o"], mm, lora_key), self.b_o)
         x_BTD = x_BTD + dropout(attn_BTD, rt.dropout, keys[1])
 
@@ -413,8 +429,10 @@ class GPT(nnx.Module):
         the default, drops no token."""
         cfg = self.cfg
         B, T = idx_BT.shape
-        if cache is not None and T > cache.k_LBSHK.shape[2]:
-            raise ValueError(f"{T} tokens do not fit a KV cache of {cache.k_LBSHK.shape[2]} slots")
+        if cache is not None and dropout_key is not None:
+            raise ValueError("dropout with a KV cache: cached calls are for inference (no dropout_key)")
+        if cache is not None and T > cache.slots:
+            raise ValueError(f"{T} tokens do not fit a KV cache of {cache.slots} slots")
         positions_BT, mask_BTS = cache_positions(cache, B, T, cfg.block_size)
         # The residual stream is float32 whatever dtype the weights are held in.
         x_BTD = self.wte[...][idx_BT].astype(jnp.float32)
@@ -472,7 +490,7 @@ class GPT(nnx.Module):
         if rt.remat in REMAT_POLICIES:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[rt.remat])
         kv_groups = None if cache is None else \
-            tuple(c.reshape(n_groups, per_group, *c.shape[1:]) for c in (cache.k_LBSHK, cache.v_LBSHK))
+            tuple(c.reshape(n_groups, per_group, *c.shape[1:]) for c in (cache.k_LBGKS, cache.v_LBGSK))
         x_BTD, (kv_groups, stats) = jax.lax.scan(body, x_BTD, (states, jnp.arange(n_groups), kv_groups),
                                                  unroll=1 if rt.scan_layers else n_groups)
         if cache is not None:

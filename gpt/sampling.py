@@ -1,7 +1,7 @@
 """KV-cached autoregressive sampling with temperature, top-k and renormalized top-p.
 
 `prefill` runs the (left-padded) prompts through the model once, filling a preallocated cache
-[L, B, S, H, K]; `decode` then generates one token per step attending to the cache, inside a
+(`gpt.model.KVCache`); `decode` then generates one token per step attending to the cache, inside a
 `lax.scan`, so nothing is retraced per token. Both are pure functions of arrays, usable inside other
 JAX code; `Sampler` jits them once per settings and decodes in chunks for streaming.
 
@@ -137,9 +137,9 @@ def prefill(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, key: jax.Array
 
 def decode(model: GPT, state: DecodeState, n_steps: int, s: SamplingSettings) -> DecodeState:
     """Generate `n_steps` tokens into state.tokens_BN; rows that emitted eot keep emitting eot."""
-    S = state.cache.k_LBSHK.shape[2]
+    S = state.cache.slots
     overflow_possible = state.tokens_BN.shape[1] > model.cfg.block_size and not rolls(model.cfg)
-    dtype = state.cache.k_LBSHK.dtype
+    dtype = state.cache.v_LBGSK.dtype
 
     def step(st: DecodeState, _):
         key, sub = jax.random.split(st.key)

@@ -126,14 +126,14 @@ def prefill_cache(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, max_new_
 def always_fits(cache: KVCache, cfg) -> bool:
     """Whether every round fits this cache whatever happens: it rolls, or block_size did not cap
     it (then it has room for the whole prompt, every new token and k more)."""
-    return rolls(cfg) or cache.k_LBSHK.shape[2] < cfg.block_size
+    return rolls(cfg) or cache.slots < cfg.block_size
 
 
 def fits(cache: KVCache, cfg, k: int, active_B: jax.Array) -> jax.Array:
     """Whether every active row can write k + 1 more tokens (always, for a cache that rolls)."""
     if rolls(cfg):
         return jnp.array(True)
-    return jnp.all(~active_B | (cache.index + k + 1 <= cache.k_LBSHK.shape[2]))
+    return jnp.all(~active_B | (cache.index + k + 1 <= cache.slots))
 
 
 def keep(written: KVCache, before: KVCache, count_B: jax.Array) -> KVCache:

@@ -192,7 +192,7 @@ def test_modern_block_cache_matches_full_forward(name):
     x = tokens(2, 20, 65)
     full, _ = forward(model, x)
     cache = M.init_cache(cfg, 2, 32, jnp.float32)
-    assert cache.k_LBSHK.shape[3] == cfg.kv_heads
+    assert cache.k_LBGKS.shape[2] == cache.v_LBGSK.shape[2] == cfg.kv_heads
     out, cache = forward_cached(model, x[:, :7], cache)
     parts = [out]
     for t in range(7, 20):
@@ -275,5 +275,5 @@ def test_for_decoding_is_the_same_model(name):
     # 24, 3 and 9 rows: the few-row products; 36 above: a dot with the [out, in] weights
     (la, ca), (lb, cb) = (call(m, x[:, 9:12], c) for m, c in ((model, ca), (dec, cb)))
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(cb.k_LBSHK, ca.k_LBSHK, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cb.k_LBGKS, ca.k_LBGKS, rtol=1e-5, atol=1e-6)
     assert int(cb.index) == int(ca.index) == 12

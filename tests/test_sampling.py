@@ -96,7 +96,7 @@ def test_rope_cache_rolls_past_block_size(pos):
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
     sampler = Sampler(model, greedy(40), chunk=8)
     state = sampler.start(prompts, jax.random.key(0))
-    assert state.cache.k_LBSHK.shape[2] == 16  # never more than block_size slots
+    assert state.cache.slots == 16  # never more than block_size slots
     for state in sampler.chunks(state):
         pass
     assert int(state.cache.index) == 5 + 40  # every step was a cached one (no recompute)
@@ -186,6 +186,19 @@ def test_generate_is_usable_inside_jit(model):
     assert out.shape == (2, 11)
 
 
+def test_decode_reads_the_cache_in_place(model):
+    """Attention reads each layer's keys [B, G, K, S] and values [B, G, S, K] as they are held: the
+    compiled decode loop makes no transposed copy of a layer's cache (held [B, S, G, K], XLA:CPU
+    transposed every layer's keys and values on every step; BENCHMARKS.md)."""
+    sampler = Sampler(model, SamplingSettings(max_new_tokens=8, temperature=1.0, top_k=5))
+    state = sampler.start([[1, 2, 3]], jax.random.key(0))
+    hlo = sampler._decode.lower(sampler.params, state, 8).compile().as_text()
+    layer_dims = sorted(state.cache.v_LBGSK.shape[1:])
+    ops = re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} (?:copy|transpose)\(", hlo)
+    moved = [dims for dims in ops if sorted(int(d) for d in dims.split(",") if d) == layer_dims]
+    assert not moved, moved
+
+
 def test_decode_writes_the_cache_in_place(model):
     """The compiled decode loop writes each token's keys/values into the cache without copying the
     whole cache (such copies, twice per token for keys and for values, took about a sixth of a
@@ -193,9 +206,10 @@ def test_decode_writes_the_cache_in_place(model):
     sampler = Sampler(model, SamplingSettings(max_new_tokens=8, temperature=1.0, top_k=5))
     state = sampler.start([[1, 2, 3]], jax.random.key(0))
     hlo = sampler._decode.lower(sampler.params, state, 8).compile().as_text()
-    cache_type = "f32[{}]".format(",".join(map(str, state.cache.k_LBSHK.shape)))
-    copies = [line for line in hlo.splitlines() if f"= {cache_type}" in line and " copy(" in line]
-    assert not copies, copies[:2]
+    for cache in (state.cache.k_LBGKS, state.cache.v_LBGSK):
+        cache_type = "f32[{}]".format(",".join(map(str, cache.shape)))
+        copies = [line for line in hlo.splitlines() if f"= {cache_type}" in line and " copy(" in line]
+        assert not copies, copies[:2]
 
 
 @pytest.mark.parametrize("batch", [1, 3])  # one row: XLA's matrix-vector dot; 3: the few-row fusion

@@ -6,6 +6,7 @@
   of the scores are never computed, and every matmul is an `a @ b` or `a @ b.T` product in the
   compute dtype (the CPU's fast layouts). The training path on CPU, and wherever there is dropout.
 - "xla" / "cudnn": `jax.nn.dot_product_attention`; cuDNN is flash attention on NVIDIA GPUs.
+With a KV cache, `cached_attention` (the reference's math over the cache's own layout; cuDNN on request).
 Shapes: B batch, T queries, S keys, H heads, K head dim; a block has t query rows.
 """
 from __future__ import annotations
@@ -69,6 +70,28 @@ def attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, implementation: str) -> ja
         out = jax.nn.dot_product_attention(q_BTHK, k_BSHK, v_BSHK, mask=mask_BTS[:, None],
                                            implementation=implementation)
     return out.astype(jnp.float32)
+
+
+def cached_attention(q_BTHK, k_BGKS, v_BGSK, mask_BTS: jax.Array, impl: str) -> jax.Array:
+    """Attention of T queries to a KV cache (`gpt.model.KVCache`), output [B, T, H, K] float32.
+
+    The cache holds keys [B, G, K, S] and values [B, G, S, K], the operand layouts of the two
+    products, and each of the G key/value heads serves H / G query heads as one batch of rows
+    (no repeated copy of the cache for grouped-query attention). Held [B, S, G, K], XLA:CPU
+    transposed every layer's cache on every decoding step, the larger part of a small model's
+    step (BENCHMARKS.md). "cudnn" takes the cache in its own layout (a transpose per call)."""
+    B, T, H, K = q_BTHK.shape
+    G = k_BGKS.shape[1]
+    if impl == "cudnn":
+        k_BSHK, v_BSHK = (jnp.repeat(a, H // G, axis=2) if H > G else a
+                          for a in (jnp.moveaxis(k_BGKS, 3, 1), jnp.swapaxes(v_BGSK, 1, 2)))
+        return attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl)
+    q_BGRTK = jnp.moveaxis(q_BTHK.reshape(B, T, G, H // G, K), 1, 3).astype(k_BGKS.dtype)
+    scores_BGRTS = mm(q_BGRTK, k_BGKS, "bgrtk,bgks->bgrts") * (1.0 / math.sqrt(K))
+    scores_BGRTS = jnp.where(mask_BTS[:, None, None], scores_BGRTS, NEG_INF)
+    probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1)
+    y_BGRTK = mm(probs_BGRTS.astype(v_BGSK.dtype), v_BGSK, "bgrts,bgsk->bgrtk")
+    return jnp.moveaxis(y_BGRTK, 3, 1).reshape(B, T, H, K)
 
 
 def causal_blocks(T: int, block: int = ATTENTION_BLOCK) -> list[tuple[int, int]]:

@@ -59,6 +59,25 @@ def test_fused_xla_matches_reference_with_and_without_mask():
                                np.asarray(A.attention_reference(q, k, v, mask)), atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["reference", "xla", "cudnn"])
+@pytest.mark.parametrize("H,G", [(4, 4), (4, 2), (4, 1)])
+def test_cached_attention_reads_the_cache_layout(impl, H, G, monkeypatch):
+    """Queries against a cache held [B, G, K, S] (keys) and [B, G, S, K] (values): the reference's
+    values over the same keys and values in [B, S, H, K] (each of the G heads repeated for H / G
+    query heads), with a mask. "cudnn" goes through the fused op in its layout (run here as XLA's)."""
+    B, T, S, K = 2, 3, 10, 8
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (B, T, H, K))
+    k_BSGK, v_BSGK = (jax.random.normal(key, (B, S, G, K)) for key in ks[1:])
+    mask = jax.random.bernoulli(jax.random.key(6), 0.7, (B, T, S)).at[:, :, 0].set(True)
+    want = A.attention_reference(q, *(jnp.repeat(a, H // G, axis=2) for a in (k_BSGK, v_BSGK)), mask)
+    fused = A.attention_fused
+    monkeypatch.setattr(A, "attention_fused", lambda q, k, v, m, impl: fused(q, k, v, m, "xla"))
+    got = A.cached_attention(q, jnp.transpose(k_BSGK, (0, 2, 3, 1)), jnp.transpose(v_BSGK, (0, 2, 1, 3)),
+                             mask, impl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
 @pytest.mark.parametrize("impl", ["reference", "blocked", "xla"])
 def test_entry_point_dispatch_equals_reference(impl):
     """`attention` gives the reference's values for every CPU-runnable kernel, with and without a
