@@ -27,8 +27,8 @@ top-k 200, as the decoding reference (`transformers_tokens_per_sec`, `vs_transfo
 
 Speculative decoding (gpt/speculative.py), plain and speculative side by side on the same target:
 
-    python bench/sample.py --speculative [--configs=] [--pair=NAME] [--pair_iters=N]
-                           [--target_dir=DIR --draft_dir=DIR] [--num_draft_tokens=4]
+    python bench/sample.py --speculative [--configs=] [--pair=NAME] [--pair_iters=N] [--draft_iters=N]
+                           [--distill_rows=N] [--target_dir=DIR --draft_dir=DIR] [--num_draft_tokens=4]
                            [--spec_tokens=200] [--spec_batch=1]
 
 A trained pair is needed (random weights accept almost nothing): --target_dir/--draft_dir, or a
@@ -39,7 +39,8 @@ the same target trained on 8 rows of 256 a step without dropout, with a 4-layer 
 smaller), cheap enough to train on a small CPU; `tiny` is a smoke test. --distill_rows=N distils
 the pair's draft from its target (`distillation_text`): it trains on the target's greedy
 continuations of N windows of the training text mixed with the corpus (the target is the pair's
-own, cached as without it).
+own, cached as without it). --draft_iters: the draft's training steps (default --pair_iters; a
+draft is cheap to train longer, its target is not).
 Greedy (temperature 0), so both paths must give the same tokens (checked). The plain, draft, verify
 and speculative loops are timed in alternation (--reps rounds, medians). Reported: tokens/s of
 plain cached decoding and of speculative decoding (decode only, prefill excluded), the measured
@@ -261,15 +262,17 @@ def train_cached(flags: list[str], iters: int, root: Path) -> Path:
     return out
 
 
-def train_pair(name: str, iters: int, root: Path, distill_rows: int = 0) -> tuple[Path, Path]:
-    """The pair's checkpoints (target, draft). With distill_rows, the draft is distilled from the
-    target: it trains on one file, the target's greedy continuations of distill_rows windows of the
-    training text followed by the corpus (`distillation_text`), drawing windows from all of it."""
+def train_pair(name: str, iters: int, root: Path, distill_rows: int = 0,
+               draft_iters: int = 0) -> tuple[Path, Path]:
+    """The pair's checkpoints (target, draft), trained for `iters` steps (the draft for
+    `draft_iters` if given). With distill_rows, the draft is distilled from the target: it trains
+    on one file, the target's greedy continuations of distill_rows windows of the training text
+    followed by the corpus (`distillation_text`), drawing windows from all of it."""
     target_flags, draft_flags = PAIRS[name]
     target = train_cached(target_flags, iters, root)
     if distill_rows:
         draft_flags = draft_flags + [f"--input={distillation_text(target, distill_rows, root)}"]
-    return target, train_cached(draft_flags, iters, root)
+    return target, train_cached(draft_flags, draft_iters or iters, root)
 
 
 DISTILL_FORMAT = 1  # raise when `distillation_text` generates differently
@@ -388,7 +391,8 @@ def bench_speculative(args) -> dict:
         target_dir, draft_dir = Path(args.target_dir), Path(args.draft_dir)
     else:
         root = Path(os.environ.get("GPT_BENCH_CACHE", Path.home() / ".cache" / "gpt-jax-bench"))
-        target_dir, draft_dir = train_pair(args.pair, args.pair_iters, root, args.distill_rows)
+        target_dir, draft_dir = train_pair(args.pair, args.pair_iters, root, args.distill_rows,
+                                           args.draft_iters)
     target, _, tok = load_model(target_dir, args.dtype)
     draft = spec.load_draft(str(draft_dir), args.dtype, target, tok, str(target_dir), args.num_draft_tokens)
     target, draft = for_decoding(target), for_decoding(draft)  # as the samplers hold them
@@ -457,6 +461,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--speculative", action="store_true", help="also plain vs speculative decoding")
     ap.add_argument("--pair", default="shakespeare", choices=tuple(PAIRS))
     ap.add_argument("--pair_iters", type=int, default=2000, help="training steps of each model of --pair")
+    ap.add_argument("--draft_iters", type=int, default=0, help="the draft's training steps (0: --pair_iters)")
     ap.add_argument("--distill_rows", type=int, default=0,
                     help="N > 0: the pair's draft also trains on N greedy continuations by its target")
     ap.add_argument("--target_dir", default="", help="a trained target (with --draft_dir: no training)")

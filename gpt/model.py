@@ -337,7 +337,7 @@ class Block(nnx.Module):
                  key, capacity_factor: float = 0.0):
         """`cache_write`: None without a cache, else a function that writes this call's keys and
         values [B, T, G, K] into this layer's cache (the caller keeps the cache) and returns what
-        the queries attend to, the layer's keys and values [B, S, G, K]. Returns x and a MoE
+        the queries attend to, the layer's keys [B, G, K, S] and values [B, G, S, K]. Returns x and a MoE
         block's routing figures (None for a dense block). `capacity_factor`: a MoE block's
         capacity (gpt/moe.py; 0: no token dropped)."""
         keys = jax.random.split(key, 3) if key is not None else (None, None, None)
@@ -416,7 +416,7 @@ class GPT(nnx.Module):
 
         With a cache, the tokens are written after the `cache.index` slots already filled and attend
         to those slots; without one, attention is causal over `idx_BT` alone. MoE layers drop no
-        token (`forward` takes a capacity factor, for training).
+        token (`forward` takes a capacity factor, for training). A cached call takes no dropout.
         """
         logits_BTV, cache, _ = self.forward(idx_BT, cache=cache, dropout_key=dropout_key)
         return logits_BTV, cache
@@ -429,7 +429,7 @@ class GPT(nnx.Module):
         the default, drops no token."""
         cfg = self.cfg
         B, T = idx_BT.shape
-        if cache is not None and dropout_key is not None:
+        if cache is not None and dropout_key is not None and self.rt.dropout > 0:
             raise ValueError("dropout with a KV cache: cached calls are for inference (no dropout_key)")
         if cache is not None and T > cache.slots:
             raise ValueError(f"{T} tokens do not fit a KV cache of {cache.slots} slots")

@@ -35,7 +35,7 @@ _USER_ATTENTION = {"einsum": "reference", "xla": "xla", "cudnn": "cudnn"}
 class Runtime:
     dtype: jnp.dtype  # compute dtype of the matmuls (parameters stay float32)
     attention: str  # no cache (training, eval): reference | blocked | xla | cudnn
-    cached_attention: str  # with a KV cache and its mask: reference | xla | cudnn
+    cached_attention: str  # with a KV cache: cudnn, else (reference | xla) `cached_attention`'s einsums
     cpu_layouts: bool  # flattened operands and physical transposes for the CPU's fast kernels
     dropout: float = 0.0  # rate of every dropout layer (0: none, and no keys are needed)
     remat: str = "none"  # none | block | dots

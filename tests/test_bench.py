@@ -69,6 +69,22 @@ def test_distillation_text_is_the_targets_greedy_text_then_the_corpus(tmp_path):
     assert path.stat().st_mtime_ns == before
 
 
+def test_train_pair_trains_the_draft_for_draft_iters(tmp_path, monkeypatch):
+    """--draft_iters trains the pair's draft (distilled or not) for its own number of steps and the
+    target for --pair_iters; without it both take --pair_iters."""
+    from bench import sample as bs
+    calls = []
+    monkeypatch.setattr(bs, "train_cached", lambda flags, iters, root: calls.append((flags, iters)) or
+                        root / str(len(calls)))
+    monkeypatch.setattr(bs, "distillation_text", lambda target, rows, root: root / f"distill-{rows}.txt")
+    target_flags, draft_flags = bs.PAIRS["tiny"]
+    assert bs.train_pair("tiny", 20, tmp_path, 4, draft_iters=60) == (tmp_path / "1", tmp_path / "2")
+    assert calls == [(target_flags, 20), (draft_flags + [f"--input={tmp_path / 'distill-4.txt'}"], 60)]
+    calls.clear()
+    bs.train_pair("tiny", 20, tmp_path)
+    assert calls == [(target_flags, 20), (draft_flags, 20)]
+
+
 @pytest.mark.slow  # minutes on 2 cores; a session with a GPU runs bench/gpu.py itself
 def test_gpu_suite_runs_at_tiny_size(tmp_path):
     """bench/gpu.py end to end on CPU with tiny models: every part runs and lands in gpu.json,

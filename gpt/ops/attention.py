@@ -86,7 +86,8 @@ def cached_attention(q_BTHK, k_BGKS, v_BGSK, mask_BTS: jax.Array, impl: str) -> 
         k_BSHK, v_BSHK = (jnp.repeat(a, H // G, axis=2) if H > G else a
                           for a in (jnp.moveaxis(k_BGKS, 3, 1), jnp.swapaxes(v_BGSK, 1, 2)))
         return attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl)
-    q_BGRTK = jnp.moveaxis(q_BTHK.reshape(B, T, G, H // G, K), 1, 3).astype(k_BGKS.dtype)
+    q_BGRTK = jnp.moveaxis(q_BTHK.reshape(B, T, G, H // G, K), 1, 3)
+    q_BGRTK = q_BGRTK.astype(jnp.promote_types(q_BGRTK.dtype, k_BGKS.dtype))
     scores_BGRTS = mm(q_BGRTK, k_BGKS, "bgrtk,bgks->bgrts") * (1.0 / math.sqrt(K))
     scores_BGRTS = jnp.where(mask_BTS[:, None, None], scores_BGRTS, NEG_INF)
     probs_BGRTS = jax.nn.softmax(scores_BGRTS, axis=-1)

@@ -59,7 +59,7 @@ def test_fused_xla_matches_reference_with_and_without_mask():
                                np.asarray(A.attention_reference(q, k, v, mask)), atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla", "cudnn"])
+@pytest.mark.parametrize("impl", ["reference", "cudnn"])  # "xla" takes the reference's path
 @pytest.mark.parametrize("H,G", [(4, 4), (4, 2), (4, 1)])
 def test_cached_attention_reads_the_cache_layout(impl, H, G, monkeypatch):
     """Queries against a cache held [B, G, K, S] (keys) and [B, G, S, K] (values): the reference's
