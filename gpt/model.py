@@ -33,7 +33,7 @@ from gpt import lora as lora_lib
 from gpt import moe as moe_lib
 from gpt import runtime as runtime_lib
 from gpt.config import ModelConfig
-from gpt.ops.attention import attention, cached_attention
+from gpt.ops.attention import attention, cached_attention, repeat_kv_heads
 from gpt.ops.dense import contract_last, decode_dense, dense
 from gpt.ops.dropout import dropout
 from gpt.ops.norm import layer_norm, rms_norm
@@ -159,10 +159,13 @@ def write_cache(cache: jax.Array, new_xBTGK: jax.Array, index: jax.Array, slot_a
     return cache.at[at].set(jnp.moveaxis(new_xBTGK, (-4, -3), (0, 1)))
 
 
+SLOT_AXES = (-1, -2)  # the slot axis of the keys [.., K, S] and of the values [.., S, K]
+
+
 def _write_kv(cache: KVCache, k_xBTGK: jax.Array, v_xBTGK: jax.Array, layer: int | None = None
               ) -> tuple[jax.Array, jax.Array]:
-    return (write_cache(cache.k_LBGKS, k_xBTGK, cache.index, -1, layer),
-            write_cache(cache.v_LBGSK, v_xBTGK, cache.index, -2, layer))
+    return tuple(write_cache(c, new, cache.index, axis, layer)
+                 for c, new, axis in zip((cache.k_LBGKS, cache.v_LBGSK), (k_xBTGK, v_xBTGK), SLOT_AXES))
 
 
 def advance_cache(cache: KVCache, k_LBTGK: jax.Array, v_LBTGK: jax.Array) -> KVCache:
@@ -178,7 +181,7 @@ def _write_group_layer(kv_group, j: int, index, written: list, k_BTGK, v_BTGK):
     (returning each layer's updated slice would copy it every decode step)."""
     written.append(tuple(new.astype(c.dtype) for c, new in zip(kv_group, (k_BTGK, v_BTGK))))
     return tuple(write_cache(c[j], new, index, axis)
-                 for c, new, axis in zip(kv_group, written[-1], (-1, -2)))
+                 for c, new, axis in zip(kv_group, written[-1], SLOT_AXES))
 
 
 def _write_layer(held: list, layer: int, k_BTGK, v_BTGK):
@@ -348,8 +351,7 @@ class Block(nnx.Module):
         q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
                                   for a in self.qkv(h_BTD, positions_BT, cfg, mm, lora_key))
         if cache_write is None:
-            groups = cfg.n_head // cfg.kv_heads  # each key/value head serves `groups` query heads
-            k_BTHK, v_BTHK = (jnp.repeat(a, groups, axis=2) if groups > 1 else a for a in (k_BTGK, v_BTGK))
+            k_BTHK, v_BTHK = (repeat_kv_heads(a, cfg.n_head) for a in (k_BTGK, v_BTGK))
             y_BTHK = attention(q_BTHK, k_BTHK, v_BTHK, None, rt.attention, cpu_layouts=rt.cpu_layouts,
                                rate=rt.dropout, key=keys[0], block=rt.attention_block)
         else:

@@ -72,6 +72,13 @@ def attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, implementation: str) -> ja
     return out.astype(jnp.float32)
 
 
+def repeat_kv_heads(x_BSGK: jax.Array, n_head: int) -> jax.Array:
+    """Grouped-query keys or values [B, S, G, K] as [B, S, H, K]: each of the G heads repeated for
+    the H / G query heads it serves."""
+    groups = n_head // x_BSGK.shape[2]
+    return jnp.repeat(x_BSGK, groups, axis=2) if groups > 1 else x_BSGK
+
+
 def cached_attention(q_BTHK, k_BGKS, v_BGSK, mask_BTS: jax.Array, impl: str) -> jax.Array:
     """Attention of T queries to a KV cache (`gpt.model.KVCache`), output [B, T, H, K] float32.
 
@@ -83,8 +90,8 @@ def cached_attention(q_BTHK, k_BGKS, v_BGSK, mask_BTS: jax.Array, impl: str) -> 
     B, T, H, K = q_BTHK.shape
     G = k_BGKS.shape[1]
     if impl == "cudnn":
-        k_BSHK, v_BSHK = (jnp.repeat(a, H // G, axis=2) if H > G else a
-                          for a in (jnp.moveaxis(k_BGKS, 3, 1), jnp.swapaxes(v_BGSK, 1, 2)))
+        k_BSGK, v_BSGK = jnp.moveaxis(k_BGKS, 3, 1), jnp.swapaxes(v_BGSK, 1, 2)
+        k_BSHK, v_BSHK = repeat_kv_heads(k_BSGK, H), repeat_kv_heads(v_BSGK, H)
         return attention_fused(q_BTHK, k_BSHK, v_BSHK, mask_BTS, impl)
     q_BGRTK = jnp.moveaxis(q_BTHK.reshape(B, T, G, H // G, K), 1, 3)
     q_BGRTK = q_BGRTK.astype(jnp.promote_types(q_BGRTK.dtype, k_BGKS.dtype))
