@@ -479,6 +479,8 @@ def main(argv: list[str]) -> int:
             ap.error(f"unknown config {c!r} (choose from {', '.join(PRESETS)})")
     if args.distill_rows < 0 or (args.distill_rows and args.target_dir):
         ap.error("--distill_rows must be >= 0, and applies to a --pair trained here, not to --target_dir")
+    if args.draft_iters < 0:
+        ap.error("--draft_iters must be >= 0 (0: --pair_iters)")
     cache_dir = enable_compile_cache()
     device = metrics_lib.device_name()
     args.copy_gbps = metrics_lib.measure_copy_gbps()

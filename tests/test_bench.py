@@ -69,6 +69,16 @@ def test_distillation_text_is_the_targets_greedy_text_then_the_corpus(tmp_path):
     assert path.stat().st_mtime_ns == before
 
 
+@pytest.mark.parametrize("flag", ["--draft_iters=-1", "--distill_rows=-3"])
+def test_bench_sample_refuses_negative_pair_settings(flag):
+    """One line naming the option, exit status 2, before anything is trained or timed."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "sample.py"), "--speculative", "--configs=", flag],
+                       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and flag.split("=")[0] in r.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in r.stderr
+
+
 def test_train_pair_trains_the_draft_for_draft_iters(tmp_path, monkeypatch):
     """--draft_iters trains the pair's draft (distilled or not) for its own number of steps and the
     target for --pair_iters; without it both take --pair_iters."""
