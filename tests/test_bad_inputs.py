@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import REPO, xla_flags
 from gpt import checkpoint as ckpt
 
 PY = sys.executable
@@ -177,7 +177,7 @@ def cases(w) -> list[Case]:
     D = [PY, "-m", "gpt.data"]
     C = [PY, "-m", "gpt.convert"]
     E = [PY, "-m", "gpt.evaluate"]
-    two_devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    two_devices = {"XLA_FLAGS": xla_flags(2)}
     all_cases = [
         # train.py: flags
         Case("train unknown flag", T + [f"--out_dir={new}", "--n_layr=2"], "did you mean --n_layer", new),
@@ -423,8 +423,7 @@ FAST = {"train unknown flag", "train negative lr", "train heads", "train block t
 def check(case: Case) -> str | None:
     """None if the case behaves; otherwise what went wrong."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", **case.env)
-    if "XLA_FLAGS" not in case.env:
-        env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = case.env.get("XLA_FLAGS", xla_flags())
     before = snapshot(case.watch)
     r = subprocess.run(case.cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     after = snapshot(case.watch)

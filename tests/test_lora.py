@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from helpers import REPO, tiny_model_config, tiny_runtime
+from helpers import REPO, tiny_model_config, tiny_runtime, xla_flags
 from test_train import configs, run
 from gpt import checkpoint as ckpt
 from gpt import lora as L
@@ -360,7 +360,7 @@ def test_sharded_matches_one_device(tmp_path, char_data, bases, lora_runs):
     """LoRA on the modern block over data x fsdp x tensor (8 CPU devices) == one device, to 1e-5;
     the adapters are sharded like their weights (B of w_q over heads, A of w_proj over the MLP width)."""
     _, one = lora_runs
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, str(char_data), str(bases / "llama"),
                         str(tmp_path / "eight"), "data:2,fsdp:2,tensor:2"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)

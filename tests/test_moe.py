@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import random_params, run_on_cpu_devices, tiny_model_config, tiny_runtime
+from helpers import random_params, run_on_cpu_devices, tiny_model_config, tiny_runtime, xla_flags
 from test_train import configs, run
 from gpt import model as M
 from gpt import moe
@@ -421,7 +421,7 @@ def test_training_on_expert_meshes_equals_one_device(char_data, tmp_path):
             "--n_expert_per_token=2", "--expert_capacity_factor=1.0", "--dropout=0.1", "--batch_size=8",
             "--max_iters=5", "--eval_interval=5", "--eval_iters=1"]
     ref = run(tmp_path / "one", char_data, *argv[3:])["train_losses"]
-    env = dict(__import__("os").environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(__import__("os").environ, XLA_FLAGS=xla_flags(8),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", _TRAIN_ON_MESHES, json.dumps(SLOW_MESHES), json.dumps(argv),
                            str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)

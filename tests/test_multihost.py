@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import xla_flags
+
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
 COMMON = ["--preset=tiny", "--batch_size=8", f"--max_iters={STEPS}", "--log_interval=1",
@@ -28,7 +30,7 @@ def free_port() -> int:
 
 
 def env_with(devices: int, **extra) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    return dict(os.environ, XLA_FLAGS=xla_flags(devices),
                 JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
 
 

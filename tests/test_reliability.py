@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import REPO, xla_flags
 from gpt import checkpoint as ckpt
 from gpt.errors import UserError
 
-N = 100  # steps of every subprocess run here; checkpoints every 2 steps, one evaluation at the end
-ARGS = ["--preset=tiny", "--no_progress", "--log_interval=1", f"--max_iters={N}",
-        "--ckpt_interval=2", f"--eval_interval={N}", "--dropout=0.1"]  # dropout: the RNG must resume too
+N = 100  # steps of the kill -9 runs (room for 30 kills); checkpoints every 2 steps, one evaluation at the end
+N_SHORT = 30  # steps of the signal and full-disk runs (CI runs these)
+ARGS = ["--preset=tiny", "--no_progress", "--log_interval=1", "--ckpt_interval=2",
+        "--dropout=0.1"]  # dropout: the RNG must resume too
 TMP = ckpt.TMP_MARKER
 
 
@@ -37,17 +38,18 @@ TMP = ckpt.TMP_MARKER
 def _env() -> dict[str, str]:
     """The training subprocesses' environment (with tests/conftest.py's session-wide XLA cache,
     the restarts skip compiling)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)  # one CPU device, like the reference run
-    return env
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+                XLA_FLAGS=xla_flags())  # one CPU device, like the reference run
 
 
-def start(out: Path, data: Path, *extra: str, script: str = "train.py") -> tuple[subprocess.Popen, Path]:
-    """A training subprocess; its stderr goes to a numbered log file next to `out`."""
+def start(out: Path, data: Path, *extra: str, script: str = "train.py",
+          steps: int = N) -> tuple[subprocess.Popen, Path]:
+    """A training subprocess of `steps` steps; its stderr goes to a numbered log file next to `out`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     n = len(list(out.parent.glob(f"{out.name}.*.log")))
     log = out.parent / f"{out.name}.{n}.log"
-    cmd = [sys.executable, script, *ARGS, f"--out_dir={out}", f"--data_dir={data}", *extra]
+    cmd = [sys.executable, script, *ARGS, f"--max_iters={steps}", f"--eval_interval={steps}",
+           f"--out_dir={out}", f"--data_dir={data}", *extra]
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f, env=_env())
     return p, log
@@ -104,40 +106,52 @@ def wait_for(pred, p: subprocess.Popen, timeout: float, poll: float = 0.002) -> 
     return False
 
 
-def assert_same_as_reference(out: Path, ref: Path) -> None:
+def assert_same_as_reference(out: Path, ref: Path, steps: int = N) -> None:
     got, want = train_losses(out), train_losses(ref)
-    assert sorted(got) == list(range(1, N + 1)), sorted(got)
+    assert sorted(got) == list(range(1, steps + 1)), sorted(got)
     assert got == want, {s: (got[s], want[s]) for s in want if got.get(s) != want[s]}
     ev = [r for r in records(out) if r["kind"] == "eval"]
     ev_ref = [r for r in records(ref) if r["kind"] == "eval"]
     assert [(e["step"], e["val_loss"]) for e in ev] == [(e["step"], e["val_loss"]) for e in ev_ref]
     s1, p1 = final_params(out)
     s2, p2 = final_params(ref)
-    assert s1 == s2 == N
+    assert s1 == s2 == steps
     assert p1.keys() == p2.keys()
     for k in p1:
         assert np.array_equal(p1[k], p2[k]), k  # bit-identical
 
 
-class Reference:
-    """The uninterrupted run, started once in the background and awaited when first needed."""
+class References:
+    """The uninterrupted runs, one per length, each started once in the background (the short one
+    at once, for CI's tests) and awaited when first needed."""
 
-    def __init__(self, out: Path, data: Path):
-        self.out = out
-        self.p, self.log = start(out, data)
+    def __init__(self, root: Path, data: Path):
+        self.root, self.data, self.runs = root, data, {}
+        self.start(N_SHORT)
 
-    def get(self) -> Path:
-        err = finish(self.p, self.log)
-        assert self.p.returncode == 0, err
-        return self.out
+    def start(self, steps: int) -> None:
+        if steps not in self.runs:
+            out = self.root / str(steps) / "o"
+            self.runs[steps] = (out, *start(out, self.data, steps=steps))
+
+    def get(self, steps: int = N) -> Path:
+        self.start(steps)
+        out, p, log = self.runs[steps]
+        err = finish(p, log)
+        assert p.returncode == 0, err
+        return out
+
+    def kill(self) -> None:
+        for _, p, _ in self.runs.values():
+            if p.poll() is None:
+                p.kill()
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, char_data) -> Reference:
-    ref = Reference(tmp_path_factory.mktemp("reference") / "o", char_data)
-    yield ref
-    if ref.p.poll() is None:
-        ref.p.kill()
+def reference(tmp_path_factory, char_data) -> References:
+    refs = References(tmp_path_factory.mktemp("reference"), char_data)
+    yield refs
+    refs.kill()
 
 
 # ----------------------------------------------------------------------------- kill -9
@@ -218,7 +232,7 @@ def test_kill9_many_times_resumes_exactly(tmp_path, char_data, reference):
 def test_signal_saves_within_one_step_exits_zero_and_resumes_exactly(tmp_path, char_data, reference, sig):
     """A signal finishes the step, saves (printing "saved" once it is on disk) and exits 0."""
     out = tmp_path / "o"
-    p, log = start(out, char_data)
+    p, log = start(out, char_data, steps=N_SHORT)
     assert wait_for(lambda: last_step(out) >= 5, p, timeout=120), log.read_text()
     p.send_signal(sig)
     t0 = time.monotonic()
@@ -228,12 +242,12 @@ def test_signal_saves_within_one_step_exits_zero_and_resumes_exactly(tmp_path, c
     assert f"received {sig.name}" in err and "Traceback" not in err, err
     steps = ckpt.list_steps(out)
     stopped = last_step(out)
-    assert steps and steps[-1] == stopped < N, (steps, stopped)  # saved the step it was in, no more
+    assert steps and steps[-1] == stopped < N_SHORT, (steps, stopped)  # saved the step it was in, no more
     assert took < 60, took
-    p, log = start(out, char_data, "--init_from=resume")
+    p, log = start(out, char_data, "--init_from=resume", steps=N_SHORT)
     err = finish(p, log)
     assert p.returncode == 0 and f"resuming from step {stopped}" in err, err
-    assert_same_as_reference(out, reference.get())
+    assert_same_as_reference(out, reference.get(N_SHORT), N_SHORT)
 
 
 def test_second_signal_is_reported_and_third_aborts(capsys):
@@ -364,7 +378,7 @@ def test_disk_full_during_async_save_is_one_line_and_keeps_previous(tmp_path, ch
     out = tmp_path / "o"
     os.environ["FAIL_STEP"] = "4"
     try:
-        p, log = start(out, char_data, script=str(wrapper))
+        p, log = start(out, char_data, script=str(wrapper), steps=N_SHORT)
     finally:
         del os.environ["FAIL_STEP"]
     err = finish(p, log)
@@ -373,11 +387,11 @@ def test_disk_full_during_async_save_is_one_line_and_keeps_previous(tmp_path, ch
     assert "could not write checkpoint step 4" in line and "No space left on device" in line, line
     assert "free space" in line and "steps [2]" in line, line
     assert ckpt.list_steps(out) == [2]  # the failed step's tmp dir is removed, now or at the next start
-    p, log = start(out, char_data, "--init_from=resume")
+    p, log = start(out, char_data, "--init_from=resume", steps=N_SHORT)
     err = finish(p, log)
     assert p.returncode == 0 and "resuming from step 2" in err, err
     assert tmp_dirs(out) == []
-    assert_same_as_reference(out, reference.get())
+    assert_same_as_reference(out, reference.get(N_SHORT), N_SHORT)
 
 
 def _mount_tmpfs(where: Path, size: str) -> bool:

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import xla_flags
+
 REPO = Path(__file__).resolve().parent.parent
 N_DEV = 8
 FAST_MESHES = ["data:2,fsdp:2,tensor:2"]  # one compile that exercises all three axes together
@@ -179,7 +181,7 @@ def _worker(job: dict) -> dict:
 
 
 def run_worker(job: dict, timeout: int = 300) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N_DEV}",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(N_DEV),
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, __file__, json.dumps(job)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
@@ -345,7 +347,7 @@ def test_losses_match_one_device_other_meshes(char_data, reference, tmp_path):
                                                               "tensor-parallel degree 2"),
 ])
 def test_bad_mesh_input(char_data, tmp_path, args, words):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "train.py", "--preset=tiny", f"--data_dir={char_data}",
                            f"--out_dir={tmp_path / 'out'}", "--progress=false", *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
