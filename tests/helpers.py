@@ -23,6 +23,15 @@ def xla_flags(devices: int | None = None) -> str:
 MULTIBYTE = "漢字かなカナ、한국어텍스트🎉👩\u200d👩\u200d👧🇫🇷e\u0301a\u0308Ελληνικά\n" * 3
 
 
+def ci_first(values: list, ci) -> list:
+    """Parameter values for `pytest.mark.parametrize`, those outside `ci` marked slow: CI checks a
+    representative few (the default run stays within its time), `pytest -m slow` all of them.
+    A tuple value stands for several arguments."""
+    import pytest
+    return [v if v in ci else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for v in values]
+
+
 def tiny_model_config(**kw):
     from gpt.config import ModelConfig
     base = dict(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32, bias=True)
@@ -46,6 +55,19 @@ def tiny_gpt(cfg, seed=0, **kw):
 
     from gpt.model import GPT
     return GPT(cfg, rngs=nnx.Rngs(seed), runtime=tiny_runtime(cfg, **kw))
+
+
+def run_cli(capsys, main, *argv: str) -> tuple[int, str, list[str]]:
+    """A command's `main` run in this process as its script runs it (gpt.errors.run_main): exit
+    status, stdout, non-blank stderr lines. Same checks as a subprocess without its start-up."""
+    import pytest
+
+    from gpt.errors import run_main
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_main(main, list(argv))
+    out, err = capsys.readouterr()
+    return e.value.code, out, [ln for ln in err.splitlines() if ln.strip()]
 
 
 def run_on_cpu_devices(script: str, n: int = 4, timeout: int = 120) -> dict:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import tiny_gpt, tiny_model_config, tiny_runtime
+from helpers import ci_first, tiny_gpt, tiny_model_config, tiny_runtime
 from gpt import model as M
 from gpt.config import PRESETS, ModelConfig
 
@@ -178,11 +178,6 @@ MODERN = {  # the modern block's options, each mixed with others
 }
 
 
-def ci_first(names: list[str], ci: set[str]) -> list:
-    """The names, those outside `ci` marked slow: CI checks one mix, `-m slow` all of them."""
-    return [n if n in ci else pytest.param(n, marks=pytest.mark.slow) for n in names]
-
-
 @pytest.mark.parametrize("name", ci_first(list(MODERN), {"llama"}))
 def test_modern_block_cache_matches_full_forward(name):
     """Cached decoding == full recompute for every mix of the new options (RoPE keys are cached
@@ -246,8 +241,9 @@ FOR_DECODING = {"gpt2": {}, "llama": MODERN["llama"],
                 "moe-every-layer": dict(n_expert=4, n_expert_per_token=2)}  # no dense blocks at all
 
 
-@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow), "moe",
-                                  "moe-every-layer"])
+# CI: the MoE mix (its dense blocks are GPT-2's; every sampling test decodes through the decoding
+# layers of the plain GPT-2 block as well).
+@pytest.mark.parametrize("name", ci_first(list(FOR_DECODING), {"moe"}))
 def test_for_decoding_is_the_same_model(name):
     """`for_decoding` (per-layer modules in layer order, no CPU layouts, [out, in] weights on CPU)
     gives the stacked model's logits, with and without a cache, for one, a few and many rows, and

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import REPO, xla_flags
+from helpers import REPO, ci_first, xla_flags
 from gpt import checkpoint as ckpt
 from gpt.errors import UserError
 
@@ -313,8 +313,9 @@ def damage(out: Path, step: int, how: str) -> int:
     return step
 
 
-@pytest.mark.parametrize("how", ["truncate_array", "delete_array", "delete_manifest", "truncate_meta",
-                                 "torn_newer_step"])
+# CI: a damaged array and a torn newer step (the other kinds take the same fall-back path)
+@pytest.mark.parametrize("how", ci_first(["truncate_array", "delete_array", "delete_manifest", "truncate_meta",
+                                          "torn_newer_step"], {"truncate_array", "torn_newer_step"}))
 def test_damaged_newest_checkpoint_falls_back_with_warning(tmp_path, char_data, trained, capsys, how):
     src, want = trained
     out = tmp_path / "o"

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from scipy.stats import chisquare
 
-from helpers import CHARS, REPO, save_checkpoint, tiny_model_config
+from helpers import CHARS, REPO, ci_first, run_cli, save_checkpoint, tiny_model_config
 from gpt.model import GPT, init_cache
 from gpt.sampling import SamplingSettings, generate, left_pad
 from gpt.speculative import (SpeculativeSampler, generate_speculative, output_tokens, probs, speculate,
@@ -58,7 +58,7 @@ def greedy_64(pair):
 # ----------------------------------------------------------------------------- greedy: the target's own output
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", ci_first([1, 3, 5], {1, 5}))
 def test_greedy_equals_target_greedy(pair, greedy_64, k):
     """64 greedy tokens, three prompt lengths in one batch: token for token the target's greedy
     output, with the rows accepting different numbers of draft tokens."""
@@ -195,7 +195,8 @@ def assert_distributed_as(counts: np.ndarray, want: np.ndarray):
     assert pvalue > 1e-3, (counts, want * n, stat)
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+# CI: no filter, and top-k with top-p (both filters at once)
+@pytest.mark.parametrize("name", ci_first(list(SETTINGS), {"plain", "top-k-top-p"}))
 def test_first_token_distributed_as_filtered_target(name):
     """40,000 rounds: the round's first token (the first draft token if kept, else the
     replacement) is distributed as the target's *filtered* p at that position."""
@@ -300,11 +301,7 @@ def dirs(tmp_path_factory):
 def sample(capsys, *argv):
     """sample.py in this process: (exit status, stdout, stderr lines)."""
     import sample as sample_cli
-    from gpt.errors import run_main
-    with pytest.raises(SystemExit) as e:
-        run_main(sample_cli.main, list(argv))
-    out, err = capsys.readouterr()
-    return e.value.code, out, [ln for ln in err.splitlines() if ln.strip()]
+    return run_cli(capsys, sample_cli.main, *argv)
 
 
 def test_cli_speculative_equals_plain(dirs, capsys):

@@ -1,10 +1,8 @@
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +26,7 @@ def run(out_dir, data_dir, *argv):
     return T.train(T.prepare_setup(*configs(out_dir, data_dir, *argv)))
 
 
+@pytest.mark.slow  # 20 s; in CI the signal and full-disk tests of test_reliability.py resume bit-exactly
 def test_resume_is_exact(tmp_path, char_data):
     """2N steps in one run == N steps + resume + N steps, at every step (with dropout on)."""
     common = ["--dropout=0.1", "--eval_interval=4", "--max_iters=8", "--lr_decay_iters=8"]
@@ -154,10 +153,8 @@ def _cli(*args, **kw):
                           text=True, timeout=300, **kw)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--n_layr=2"], "did you mean --n_layer"),
+@pytest.mark.parametrize("args,needle", [  # more in tests/test_bad_inputs.py
     (["--batch_size=x"], "--batch_size"),
-    (["--learning_rate=-1"], "--learning_rate"),
     (["--init_from=resume"], "no checkpoint found"),
 ])
 def test_cli_errors_are_one_line(tmp_path, args, needle):
@@ -187,24 +184,6 @@ def test_cli_keeps_compiled_programs_for_the_next_run(tmp_path, char_data):
     assert [e["val_loss"] for e in evals[0]] == [e["val_loss"] for e in evals[1]]
 
 
-def test_sigterm_saves_and_exits_zero_then_resume(tmp_path, char_data):
-    out = tmp_path / "o"
-    args = ["--preset=tiny", f"--out_dir={out}", f"--data_dir={char_data}", "--max_iters=100000",
-            "--eval_interval=100000", "--no_progress", "--log_interval=1"]
-    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stderr=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    metrics = out / "metrics.jsonl"
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 0, err
-    assert "received SIGTERM" in err
-    steps = [int(d.name) for d in (out / "checkpoints").iterdir() if d.name.isdigit()]
-    assert len(steps) == 1 and steps[0] >= 3
-
-
 def test_init_from_checkpoint_dir_and_hf_gpt2(tmp_path, char_data, monkeypatch):
     """--init_from=<train dir>, --init_from=<HF dir> and --init_from=gpt2 ($GPT2_DIR) start from those weights."""
     from gpt.checkpoint import load_model
@@ -224,8 +203,9 @@ def test_init_from_checkpoint_dir_and_hf_gpt2(tmp_path, char_data, monkeypatch):
                                          "--warmup_iters=0"))
         got = nnx.merge(nnx.split(GPT(setup.model_cfg, rngs=nnx.Rngs(0)))[0], setup.init_params)(x)[0]
         assert float(jnp.abs(got[..., :V] - want[..., :V]).max()) < 1e-5, how
-        summary = T.train(setup)
-        assert summary["start_step"] == 0 and summary["step"] == 1
+        if how == str(hf):  # one training step from those weights (the same step for all three)
+            summary = T.train(setup)
+            assert summary["start_step"] == 0 and summary["step"] == 1
     with pytest.raises(UserError, match=r"n_embd \(32 in the checkpoint, 64 requested\)"):
         T.prepare_setup(*configs(tmp_path / "bad", char_data, f"--init_from={src}", "--n_embd=64"))
     monkeypatch.setenv("GPT2_DIR", str(tmp_path / "nowhere"))

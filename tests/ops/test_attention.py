@@ -2,6 +2,8 @@
 kernel the runtime picks; the blocked kernel keeps batch/head sharding."""
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ from gpt.ops import attention as A
 from gpt.ops.dropout import drop_rate, keep_mask
 from gpt.config import ComputeConfig
 from gpt.runtime import resolve, training_attention
-from helpers import run_on_4_cpu_devices, tiny_model_config, tiny_runtime
+from helpers import ci_first, run_on_4_cpu_devices, tiny_model_config, tiny_runtime
 
 
 def qkv(B=2, T=16, H=2, K=8, seed=0):
@@ -21,10 +23,15 @@ def qkv(B=2, T=16, H=2, K=8, seed=0):
     return tuple(jax.random.normal(k, (B, T, H, K)) for k in ks)
 
 
-@pytest.mark.parametrize("cpu_layouts", [True, False])  # False: the GPU/TPU form, on the CPU
-@pytest.mark.parametrize("block", [A.ATTENTION_BLOCK, 8, 5])
-@pytest.mark.parametrize("rate", [0.0, 0.3])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# CI: every block size and rate in float32 in the CPU layouts, the GPU/TPU form (cpu_layouts=False)
+# and bfloat16 each with and without dropout; `-m slow` the whole product.
+BLOCKED_CI = {*itertools.product(["float32"], [0.0, 0.3], [A.ATTENTION_BLOCK, 8, 5], [True]),
+              ("float32", 0.0, A.ATTENTION_BLOCK, False), ("float32", 0.3, 5, False),
+              ("bfloat16", 0.0, A.ATTENTION_BLOCK, True), ("bfloat16", 0.3, 5, True)}
+
+
+@pytest.mark.parametrize("dtype,rate,block,cpu_layouts", ci_first(list(itertools.product(
+    ["float32", "bfloat16"], [0.0, 0.3], [A.ATTENTION_BLOCK, 8, 5], [True, False])), BLOCKED_CI))
 def test_blocked_attention_matches_reference(rate, dtype, block, cpu_layouts):
     """The hand-written backward against autodiff of the reference, with the same dropout mask:
     equal forward, gradients equal up to bf16 rounding; in one query block and in several (the

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import tiny_model_config, tiny_runtime
+from helpers import ci_first, tiny_model_config, tiny_runtime
 from gpt.model import GPT
 from gpt.ops import dense as D
 
@@ -18,9 +18,15 @@ SPECS = [("btd,dchk->btchk", (2, 5, 16), (16, 3, 2, 8)),
          ("btd,vd->btv", (2, 5, 16), (128, 16))]
 
 
-@pytest.mark.parametrize("cpu_layouts", [True, False])  # False: the GPU/TPU form, on the CPU
-@pytest.mark.parametrize("spec,xs,ws", SPECS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# CI: every contraction in float32 in the CPU layouts, and each of the other three settings on two
+# of them; `-m slow` the whole product.
+DENSE_CI = {*((*s, "float32", True) for s in SPECS),
+            *((*s, d, c) for s in SPECS[1:3] for d, c in [("float32", False), ("bfloat16", True),
+                                                           ("bfloat16", False)])}
+
+
+@pytest.mark.parametrize("spec,xs,ws,dtype,cpu_layouts", ci_first(
+    [(*s, d, c) for d in ["float32", "bfloat16"] for s in SPECS for c in [True, False]], DENSE_CI))
 def test_custom_vjp_dense_matches_reference(spec, xs, ws, dtype, cpu_layouts):
     assert D._plan(spec) is not None
     dt = jnp.dtype(dtype)
