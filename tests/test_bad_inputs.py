@@ -410,12 +410,11 @@ def own_new_dir(case: Case, new: Path) -> Case:
 # A subset that covers every command and both kinds (flag checks, checkpoint/file checks); CI runs
 # it (each case is a process start-up, ~3 s here). The modules' own tests check more messages in
 # process (tests/test_data.py, test_lora.py, test_moe.py, test_convert.py, ...).
-FAST = {"train unknown flag", "train negative lr", "train heads", "train mesh axis",
-        "train resume other model", "train scratch over checkpoints", "train model too big for memory",
-        "sample all damaged", "sample prompt outside vocab", "sample endless prompt file",
-        "data not utf-8", "data jsonl not json", "data out_dir is the input", "train data newer format",
-        "convert pickle only", "evaluate no checkpoint", "train lora rank above matrix",
-        "train moe expert axis"}
+FAST = {"train unknown flag", "train negative lr", "train heads", "train resume other model",
+        "train scratch over checkpoints", "train model too big for memory", "sample all damaged",
+        "sample prompt outside vocab", "sample endless prompt file", "data not utf-8",
+        "data out_dir is the input", "train data newer format", "convert pickle only",
+        "evaluate no checkpoint", "train moe expert axis"}  # mesh flags: tests/test_sharding.py
 
 
 def check(case: Case) -> str | None:
