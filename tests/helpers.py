@@ -9,15 +9,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # Unspaced CJK, emoji with ZWJ and a flag, combining marks: text whose characters are 2-4 bytes.
-# XLA:CPU compiles the tests' many small programs with LLVM at -O0: the optimised HLO (fusions,
-# layouts, copies: what the HLO-reading tests inspect) is the same, the machine code is slower, and
+# XLA compiles the tests' many small programs with LLVM at -O0: the optimised HLO (fusions, layouts,
+# copies: what the HLO-reading tests inspect) is the same, the machine code is slower, and on CPU
 # compilation, most of the default run's time, takes about 40% less. Set for every test process.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def xla_flags(devices: int | None = None) -> str:
-    """XLA_FLAGS for a test process: the tests' compile setting, and `devices` simulated CPU devices."""
-    return TEST_XLA_FLAGS + (f" --xla_force_host_platform_device_count={devices}" if devices else "")
+    """XLA_FLAGS for a test process: this process's flags (tests/conftest.py adds TEST_XLA_FLAGS to
+    the developer's), with `devices` simulated CPU devices in place of any device count there."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", TEST_XLA_FLAGS).split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(flags + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
 
 
 MULTIBYTE = "漢字かなカナ、한국어텍스트🎉👩\u200d👩\u200d👧🇫🇷e\u0301a\u0308Ελληνικά\n" * 3
@@ -28,6 +31,7 @@ def ci_first(values: list, ci) -> list:
     representative few (the default run stays within its time), `pytest -m slow` all of them.
     A tuple value stands for several arguments."""
     import pytest
+    assert all(c in values for c in ci), [c for c in ci if c not in values]  # a typo: all slow
     return [v if v in ci else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
             for v in values]
 

@@ -414,7 +414,8 @@ FAST = {"train unknown flag", "train negative lr", "train heads", "train resume 
         "train scratch over checkpoints", "train model too big for memory", "sample all damaged",
         "sample prompt outside vocab", "sample endless prompt file", "data not utf-8",
         "data out_dir is the input", "train data newer format", "convert pickle only",
-        "evaluate no checkpoint", "train moe expert axis"}  # mesh flags: tests/test_sharding.py
+        "evaluate no checkpoint", "train moe expert axis", "sample tokenizer larger than model",
+        "convert merge into non-empty"}  # mesh flags: tests/test_sharding.py
 
 
 def check(case: Case) -> str | None:

@@ -19,7 +19,6 @@ from gpt import convert  # noqa: E402
 from gpt.errors import UserError  # noqa: E402
 from helpers import perturb_and_save, run_cli, tiny_gpt, torch_logits  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 TOL = 1e-4
 
 

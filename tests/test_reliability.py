@@ -26,7 +26,7 @@ from gpt import checkpoint as ckpt
 from gpt.errors import UserError
 
 N = 100  # steps of the kill -9 runs (room for 30 kills); checkpoints every 2 steps, one evaluation at the end
-N_SHORT = 30  # steps of the signal and full-disk runs (CI runs these)
+N_SHORT = 40  # steps of the signal and full-disk runs (CI runs these; margin for the signal)
 ARGS = ["--preset=tiny", "--no_progress", "--log_interval=1", "--ckpt_interval=2",
         "--dropout=0.1"]  # dropout: the RNG must resume too
 TMP = ckpt.TMP_MARKER

@@ -58,32 +58,33 @@ def _run_train(data_dir, out_dir, mesh: str) -> dict:
 
 
 def _make_state(data_dir, mesh_spec: str):
-    """Parameters and optimizer state on `mesh_spec` after one step, built with the trainer's pieces."""
+    """Parameters and optimizer state on `mesh_spec`, sharded as the trainer shards them, every
+    element distinct (biases, norm scales and AdamW's moments too, which start constant): a shard
+    restored to the wrong place cannot go unnoticed."""
     import jax
+    import jax.numpy as jnp
     from flax import nnx
 
-    from gpt.batches import Batches
     from gpt import sharding
     from gpt.model import GPT
-    from gpt.train import make_optimizer, make_train_step
+    from gpt.train import make_optimizer
 
     m, t = _model(), _train_cfg(data_dir, "unused", mesh_spec)
     mesh = sharding.make_mesh(mesh_spec)
-    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: GPT(m, rngs=nnx.Rngs(0))))
+    _, shapes = nnx.split(nnx.eval_shape(lambda: GPT(m, rngs=nnx.Rngs(0))))
     p_shard = sharding.param_shardings(shapes, mesh)
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(0)))),
                      out_shardings=p_shard)()
     tx = make_optimizer(t)
     o_shard = sharding.like_params(jax.eval_shape(tx.init, params), p_shard, mesh)
     opt = jax.jit(tx.init, out_shardings=o_shard)(params)
-    x_shard = sharding.batch_sharding(mesh, 3)
-    step = jax.jit(make_train_step(graphdef, tx, 0, train_mode=False),
-                   in_shardings=(p_shard, o_shard, None, x_shard, x_shard),
-                   out_shardings=(p_shard, o_shard, None, None))
-    x, y = Batches(data_dir, "train", m.block_size, t.batch_size, seed=0).next()
-    shape = (1, t.batch_size, m.block_size)
-    params, opt, _, _ = step(params, opt, 0, sharding.global_batch(x[None], x_shard, shape),
-                             sharding.global_batch(y[None], x_shard, shape))
+
+    def distinct(x):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x + 3
+        return x + 1e-3 * jnp.arange(x.size, dtype=x.dtype).reshape(x.shape)
+    params, opt = jax.jit(lambda p, o: jax.tree.map(distinct, (p, o)),
+                          out_shardings=(p_shard, o_shard))(params, opt)
     return mesh, params, opt, p_shard, o_shard
 
 

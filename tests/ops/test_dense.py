@@ -20,13 +20,13 @@ SPECS = [("btd,dchk->btchk", (2, 5, 16), (16, 3, 2, 8)),
 
 # CI: every contraction in float32 in the CPU layouts, and each of the other three settings on two
 # of them; `-m slow` the whole product.
-DENSE_CI = {*((*s, "float32", True) for s in SPECS),
-            *((*s, d, c) for s in SPECS[1:3] for d, c in [("float32", False), ("bfloat16", True),
+DENSE_CI = {*(("float32", *s, True) for s in SPECS),
+            *((d, *s, c) for s in SPECS[1:3] for d, c in [("float32", False), ("bfloat16", True),
                                                            ("bfloat16", False)])}
 
 
-@pytest.mark.parametrize("spec,xs,ws,dtype,cpu_layouts", ci_first(
-    [(*s, d, c) for d in ["float32", "bfloat16"] for s in SPECS for c in [True, False]], DENSE_CI))
+@pytest.mark.parametrize("dtype,spec,xs,ws,cpu_layouts", ci_first(
+    [(d, *s, c) for d in ["float32", "bfloat16"] for s in SPECS for c in [True, False]], DENSE_CI))
 def test_custom_vjp_dense_matches_reference(spec, xs, ws, dtype, cpu_layouts):
     assert D._plan(spec) is not None
     dt = jnp.dtype(dtype)
