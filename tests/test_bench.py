@@ -41,6 +41,7 @@ def test_bench_sample_smoke():
     assert rows[0]["baseline_tokens_per_sec"] > 0 and rows[1]["baseline_tokens_per_sec"] is None
 
 
+@pytest.mark.slow  # 10 s; the benchmark's draft training data, not the product's
 def test_distillation_text_is_the_targets_greedy_text_then_the_corpus(tmp_path):
     """bench/sample.py's distilled draft trains on the target's greedy continuations of windows of
     the training split, then the whole corpus (its validation split stays the corpus's end); the

@@ -89,7 +89,7 @@ def logits_and_settings(draw):
     return np.asarray(rows, np.float32), temperature, top_k, top_p
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=logits_and_settings())
 def test_filter_logits_keeps_a_valid_distribution(case):
     import jax
