@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# Unspaced CJK, emoji with ZWJ and a flag, combining marks: text whose characters are 2-4 bytes.
 # XLA compiles the tests' many small programs with LLVM at -O0: the optimised HLO (fusions, layouts,
 # copies: what the HLO-reading tests inspect) is the same, the machine code is slower, and on CPU
 # compilation, most of the default run's time, takes about 40% less. Set for every test process.
@@ -23,6 +22,7 @@ def xla_flags(devices: int | None = None) -> str:
     return " ".join(flags + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
 
 
+# Unspaced CJK, emoji with ZWJ and a flag, combining marks: text whose characters are 2-4 bytes.
 MULTIBYTE = "漢字かなカナ、한국어텍스트🎉👩\u200d👩\u200d👧🇫🇷e\u0301a\u0308Ελληνικά\n" * 3
 
 

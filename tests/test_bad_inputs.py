@@ -420,8 +420,7 @@ FAST = {"train unknown flag", "train negative lr", "train heads", "train resume 
 
 def check(case: Case) -> str | None:
     """None if the case behaves; otherwise what went wrong."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **case.env)
-    env["XLA_FLAGS"] = case.env.get("XLA_FLAGS", xla_flags())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(), **case.env}
     before = snapshot(case.watch)
     r = subprocess.run(case.cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     after = snapshot(case.watch)
