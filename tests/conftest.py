@@ -11,6 +11,7 @@ import pytest
 
 from helpers import REPO, TEST_XLA_FLAGS
 
+_PINNED_TO_CPU = "JAX_PLATFORMS" not in os.environ  # the tests run on CPU unless told otherwise
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # --dtype=auto is bfloat16 on CPUs with native bf16; the tests' tolerances are for float32, and the
 # same on every machine class, so auto means float32 here (subprocesses inherit it).
@@ -36,6 +37,30 @@ def _session_compilation_cache() -> None:
 
 
 _session_compilation_cache()
+
+
+def _selects_only_gpu_checks(marks: str) -> bool:
+    """Whether a `-m` expression selects only tests marked gpu ("gpu", "gpu and not slow"; not
+    "slow or gpu", "not gpu"), read with pytest's own parser."""
+    if not marks.strip():
+        return False
+    try:
+        from _pytest.mark.expression import Expression
+    except ImportError:  # pytest moved it: the plain case only
+        return marks.strip() == "gpu"
+    e = Expression.compile(marks)
+    return e.evaluate(lambda name, **_: name == "gpu") and not e.evaluate(lambda name, **_: name != "gpu")
+
+
+def pytest_configure(config) -> None:
+    """`pytest -m gpu` selects the checks that need the GPU: they see it (the CPU pin above is
+    lifted; before, run by hand they all skipped, and only bench/gpu.py, which sets the platforms
+    itself, ran them). Their workers (pytest-xdist) share the one GPU, so none takes most of its
+    memory up front. Nothing has imported jax yet here, so the environment is all it reads."""
+    if _selects_only_gpu_checks(config.getoption("markexpr") or ""):
+        if _PINNED_TO_CPU:
+            os.environ.pop("JAX_PLATFORMS", None)
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 @pytest.fixture(scope="session")
