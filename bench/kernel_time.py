@@ -24,8 +24,9 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 
-GROUPS = [("matmul", re.compile(r"gemm|cublas|dot|matmul|triton_gemm|wgmma|sm90_xmma", re.I)),
-          ("attention", re.compile(r"cudnn|fmha|flash|attention|dot_product", re.I)),
+# Attention first: cuDNN's flash kernels also name wgmma; cuBLAS's Hopper GEMMs are "nvjet_*".
+GROUPS = [("attention", re.compile(r"cudnn|fmha|flash|sdpa|attention|dot_product", re.I)),
+          ("matmul", re.compile(r"gemm|cublas|nvjet|dot|matmul|triton_gemm|wgmma|sm90_xmma", re.I)),
           ("copy", re.compile(r"copy|transpose|dynamic.update.slice|memcpy|memset", re.I)),
           ("collective", re.compile(r"all.reduce|all.gather|reduce.scatter|nccl", re.I)),
           ("fusion", re.compile(r"fusion|reduce|loop_|input_|kernel", re.I))]
@@ -101,9 +102,10 @@ def decode_fn(args):
     spec = importlib.util.spec_from_file_location("bench_sample", REPO / "bench" / "sample.py")
     bs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bs)
+    from gpt.model import for_decoding
     from gpt.sampling import SamplingSettings, decode, prefill
     cfg, model = bs.build_model(args.config, args.dtype)
-    gd, params = nnx.split(model)
+    gd, params = nnx.split(for_decoding(model))  # as gpt.sampling.Sampler holds it
     if args.weights == "compute":
         params = bs.hold_in(params, model.rt.dtype)
     s = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0, top_k=200)

@@ -232,7 +232,7 @@ def _norm(scale, bias, alpha) -> dict:
 
 
 # The dense weights `Block.linear` multiplies by and their einsum specs (x's axes, the weight's ->
-# the product's); `for_decoding` holds them permuted by `contract_last` of these on CPU.
+# the product's); `for_decoding` holds them permuted by `contract_last` of these (CPU, GPU).
 SPECS = {"w_qkv": "btd,dchk->btchk", "w_q": "btd,dhk->bthk", "w_kv": "btd,dcgk->btcgk",
          "w_o": "bthk,hkd->btd", "w_fc": "btd,df->btf", "w_fc_gated": "btd,dcf->btcf",
          "w_proj": "btf,fd->btd"}
@@ -240,9 +240,10 @@ SPECS = {"w_qkv": "btd,dchk->btchk", "w_q": "btd,dhk->bthk", "w_kv": "btd,dcgk->
 
 def _matmul(rt: Runtime, out_dtype):
     """x times a weight by einsum spec, as `rt` runs it: `decode_dense` over the [out, in] weights
-    that for_decoding holds on CPU, else `dense` (with its backward)."""
+    that for_decoding holds, else `dense` (with its backward)."""
     if rt.decode_layout:
-        return lambda x, w, spec: decode_dense(x, w, spec, rt.dtype, out_dtype)
+        few_rows = rt.decode_weights == "rows"
+        return lambda x, w, spec: decode_dense(x, w, spec, rt.dtype, out_dtype, few_rows)
     return lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp, out_dtype)
 
 
@@ -524,9 +525,12 @@ def for_decoding(model: GPT) -> GPT:
     before each matmul; and the CPU layouts (`gpt.ops.dense`, for the backward pass) transpose the
     [V, D] head into a [D, V] copy per call. Batch-1 decoding only has to read every weight once
     per token, and these copies made a GPT-2 token move the weights about three times (BENCHMARKS.md).
-    Here the layer slices are taken once, outside the decoding loop. On CPU the dense weights are
-    also held [out, in], so that steps of a few rows (a batch, a speculative verify) stream each
-    weight once (`gpt.ops.dense.decode_dense`).
+    Here the layer slices are taken once, outside the decoding loop. On CPU and GPU
+    (`Runtime.decode_weights`) the dense weights are also held [out, in] (`gpt.ops.dense.decode_dense`):
+    on CPU steps of a few rows (a batch, a speculative verify) then stream each weight once; on a
+    GPU a one-row product over [in, out] became a column reduction that XLA split into a kernel
+    writing the whole weight-sized product and a second one summing it, while over [out, in] it is
+    one row reduction that reads the weight once (BENCHMARKS.md).
     """
     if isinstance(model.blocks, nnx.List):
         return model
@@ -539,9 +543,9 @@ def for_decoding(model: GPT) -> GPT:
         graphdef, state = stacks[moe]
         layers.append(nnx.merge(graphdef, jax.tree.map(lambda a, i=taken[moe]: a[i], state)))
         taken[moe] += 1
-    # On CPU the dense weights are held [out, in] (decode_dense); not with LoRA adapters, whose
-    # update shares the weight's spec (sampling merges them into the weights anyway)
-    transpose = model.rt.cpu_layouts and all(b.lora is None for b in layers)
+    # The dense weights held [out, in] (decode_dense); not with LoRA adapters, whose update shares
+    # the weight's spec (sampling merges them into the weights anyway)
+    transpose = bool(model.rt.decode_weights) and all(b.lora is None for b in layers)
     if transpose:
         for block in layers:
             _hold_out_in(block)

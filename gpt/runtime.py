@@ -4,8 +4,8 @@
 holds what that resolves to on the current backend for a given architecture: the compute dtype, the
 attention kernel of the training/prefill path and of the cached (masked) path, whether to force the
 CPU's fast matmul layouts, the dtype the matmuls write (bf16 on GPU/TPU computing in bf16, as under
-PyTorch's autocast; float32 on CPU), and the per-run settings the model needs (dropout, remat,
-scan). The model receives a `Runtime` when it is built and passes its fields down as arguments,
+PyTorch's autocast; float32 on CPU), how decoding holds and multiplies the dense weights, and the
+per-run settings the model needs (dropout, remat, scan). The model receives a `Runtime` when it is built and passes its fields down as arguments,
 so no traced code asks which backend it runs on, and tests pick a kernel by building a `Runtime`.
 """
 from __future__ import annotations
@@ -46,9 +46,19 @@ class Runtime:
     # float32 accumulation either way
     matmul_out: Any = jnp.dtype("float32")
     mesh: Any = None  # the training mesh: MoE layers lay their dispatched tokens out on its expert axis
-    # weights held [out, in] for decoding on CPU (gpt.model.for_decoding): few-row products stream
-    # them (gpt.ops.dense.decode_dense)
-    decode_layout: bool = False
+    # How `gpt.model.for_decoding` holds the dense weights: "rows" (CPU) and "dot" (GPU) hold them
+    # [out, in], so that a one-row product reads each weight along its contiguous axis ("rows" also
+    # runs 2..FEW_ROWS-row products as one multiply-and-reduce that streams the weight:
+    # gpt.ops.dense.decode_dense); "" keeps the trained [in, out] layout (TPU: not measured).
+    decode_weights: str = ""
+    decode_layout: bool = False  # the dense weights are held [out, in] now (for_decoding sets it)
+
+    def __post_init__(self) -> None:
+        if self.decode_weights not in DECODE_WEIGHTS:  # a typo would transpose, then multiply wrongly
+            raise ValueError(f"decode_weights={self.decode_weights!r}: one of {DECODE_WEIGHTS}")
+
+
+DECODE_WEIGHTS = ("rows", "dot", "")
 
 
 CPU_BF16_ENV = "GPT_CPU_BF16"  # 1/0 overrides the detection (the tests pin float32 with 0)
@@ -257,6 +267,6 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  attention=training_attention(c.attention, dtype, cfg.head_dim, backend),
                  cached_attention=_USER_ATTENTION.get(c.attention, "xla"),
                  cpu_layouts=backend == "cpu", dropout=c.dropout, remat=c.remat,
-                 scan_layers=c.scan_layers,
+                 scan_layers=c.scan_layers, decode_weights={"cpu": "rows", "gpu": "dot"}.get(backend, ""),
                  matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype))
     return dataclasses.replace(rt, **override)

@@ -154,3 +154,36 @@ def test_profile_reports_device_time():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train: per step" in r.stdout and " ms/step" in r.stdout
+
+
+@pytest.mark.slow  # a developer's tool; 13 s
+def test_profile_of_a_decoding_step():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_time.py"), "decode", "--config=tiny",
+                        "--new_tokens=8", "--steps=1", "--top=5"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "decode: per decoded token" in r.stdout
+
+
+def test_profile_groups_kernels_by_kind():
+    """cuBLAS's Hopper GEMMs (nvjet) are matmuls; cuDNN's flash kernels (which also name wgmma) are
+    attention; XLA's fusions and copies keep their groups."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kernel_time", REPO / "bench" / "kernel_time.py")
+    kt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kt)
+    assert kt.group("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT") == "matmul"
+    assert kt.group("gemm_fusion_dot_75") == "matmul"
+    assert kt.group("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
+    assert kt.group("input_reduce_fusion_53") == "fusion" and kt.group("Memset 3") == "copy"
+
+
+@pytest.mark.slow  # a developer's tool (its timings need a GPU); 15 s of Pallas's interpreter
+def test_matvec_kernels_are_checked_on_cpu():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "matvec.py")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["max_rel_err"] < 1e-5 and "shapes" not in out  # bf16 inputs, float32 sums; no timings

@@ -242,21 +242,23 @@ FOR_DECODING = {"gpt2": {}, "llama": MODERN["llama"],
 
 
 # CI: the MoE mix (its dense blocks are GPT-2's; every sampling test decodes through the decoding
-# layers of the plain GPT-2 block as well).
-@pytest.mark.parametrize("name", ci_first(list(FOR_DECODING), {"moe"}))
-def test_for_decoding_is_the_same_model(name):
-    """`for_decoding` (per-layer modules in layer order, no CPU layouts, [out, in] weights on CPU)
-    gives the stacked model's logits, with and without a cache, for one, a few and many rows, and
-    leaves the original untouched."""
+# layers of the plain GPT-2 block as well) and GPT-2 with the GPU's decoding weights.
+@pytest.mark.parametrize("name,weights", ci_first([(n, "rows") for n in FOR_DECODING]
+                                                  + [("gpt2", "dot"), ("llama", "dot"), ("gpt2", "")],
+                                                  {("moe", "rows"), ("gpt2", "dot")}))
+def test_for_decoding_is_the_same_model(name, weights):
+    """`for_decoding` (per-layer modules in layer order, no CPU layouts, [out, in] weights where
+    `Runtime.decode_weights` says: "rows" on CPU, "dot" on GPU) gives the stacked model's logits,
+    with and without a cache, for one, a few and many rows, and leaves the original untouched."""
     cfg = tiny_model_config(**FOR_DECODING[name])
-    model = tiny_gpt(cfg)
+    model = tiny_gpt(cfg, decode_weights=weights)
     shapes = jax.tree.map(jnp.shape, nnx.state(model))
     dec = M.for_decoding(model)
     assert isinstance(dec.blocks, nnx.List) and len(dec.blocks) == cfg.n_layer
     assert not dec.rt.cpu_layouts and not isinstance(model.blocks, nnx.List)
     assert M.for_decoding(dec) is dec
-    # on CPU the dense weights are held [out, in] (gpt.ops.dense.decode_dense)
-    assert dec.rt.decode_layout == model.rt.cpu_layouts and not model.rt.decode_layout
+    # the dense weights are held [out, in] (gpt.ops.dense.decode_dense) unless decode_weights is ""
+    assert dec.rt.decode_layout == bool(weights) and not model.rt.decode_layout
     if dec.rt.decode_layout:
         assert dec.blocks[0].w_o.shape == (cfg.n_embd, cfg.n_head, cfg.head_dim)
         assert dec.blocks[0].w_o.get_metadata()["out_sharding"] == ("embed", "heads", None)
@@ -268,7 +270,7 @@ def test_for_decoding_is_the_same_model(name):
     (la, ca), (lb, cb) = (call(m, x[:, :8], cache) for m in (model, dec))
     (la, ca), (lb, cb) = (call(m, x[:, 8:9], c) for m, c in ((model, ca), (dec, cb)))
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
-    # 24, 3 and 9 rows: the few-row products; 36 above: a dot with the [out, in] weights
+    # 24, 3 and 9 rows: the few-row products ("rows"; "dot": dots); 36 above: a dot either way
     (la, ca), (lb, cb) = (call(m, x[:, 9:12], c) for m, c in ((model, ca), (dec, cb)))
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cb.k_LBGKS, ca.k_LBGKS, rtol=1e-5, atol=1e-6)

@@ -49,6 +49,9 @@ def test_attention_choice_per_backend():
     assert gpu.attention == "cudnn" and not gpu.cpu_layouts
     assert resolve(cfg, ComputeConfig(dtype="float32"), "gpu").attention == "xla"  # cuDNN needs 16-bit
     assert resolve(cfg, ComputeConfig(attention="einsum"), "cpu").attention == "reference"
+    # how for_decoding holds the dense weights: [out, in] on CPU (few rows streamed) and GPU
+    assert [resolve(cfg, None, b).decode_weights for b in ("cpu", "gpu", "tpu")] == ["rows", "dot", ""]
+    assert not gpu.decode_layout  # only for_decoding's copy holds them so
 
 
 def test_matmul_output_dtype_per_backend():

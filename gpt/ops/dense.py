@@ -135,7 +135,7 @@ def _dense_bwd(spec, dtype, cpu_layouts, out_dtype, res, g):
 _dense_vjp.defvjp(_dense_fwd, _dense_bwd)
 
 
-# ----------------------------------------------------------------------------- decoding on CPU
+# ----------------------------------------------------------------------------- decoding
 
 FEW_ROWS = 32  # products of 2..FEW_ROWS rows run as multiply-and-reduce in `decode_dense`
 
@@ -151,16 +151,18 @@ def contract_last(spec: str) -> tuple[tuple[int, ...], str]:
     return tuple(ws.index(c) for c in w_t), f"{p.x_free}{p.contract},{w_t}->{p.x_free}{p.w_free}"
 
 
-def decode_dense(x: jax.Array, w: jax.Array, spec: str, dtype, out_dtype=jnp.float32) -> jax.Array:
+def decode_dense(x: jax.Array, w: jax.Array, spec: str, dtype, out_dtype=jnp.float32,
+                 few_rows: bool = True) -> jax.Array:
     """x times a weight held with its contracted axes last (`contract_last`; `gpt.model.for_decoding`
-    holds the weights so on CPU): the forward of a decoding step, without a backward.
+    holds the weights so on CPU and GPU): the forward of a decoding step, without a backward.
 
     Decoding multiplies one to a few rows (a batch, or the K+1 tokens of a speculative verify) by
     every weight, which is read from memory once per step. One row takes XLA:CPU's matrix-vector
     kernel, which streams the weight; from two rows on a dot becomes a GEMM that packs the weight
     first and reads it at a fraction of the bandwidth, so 5 rows cost about 3 single-row steps.
     Written as a product and a sum over the last axis of an [N, M, C] array, 2..FEW_ROWS rows are
-    one fusion that streams each weight row once for all M rows. Figures: BENCHMARKS.md.
+    one fusion that streams each weight row once for all M rows (`few_rows`: XLA:CPU's case; a GPU
+    runs them as a GEMM). Figures: BENCHMARKS.md.
     `spec` may name either layout; the weight must be the permuted one.
     """
     p = _plan(contract_last(spec)[1])
@@ -170,7 +172,10 @@ def decode_dense(x: jax.Array, w: jax.Array, spec: str, dtype, out_dtype=jnp.flo
     w_NC = w.reshape(math.prod(w.shape[:n_w_free]), -1).astype(dtype)
     # Flattened either way: an einsum over the [out..., in...] axes would have XLA copy the
     # weight back into [in, out] order on every call.
-    y_MN = _few_rows(x_MC, w_NC, out_dtype) if 2 <= M <= FEW_ROWS else mm(x_MC, w_NC, "mc,nc->mn", out_dtype)
+    if few_rows and 2 <= M <= FEW_ROWS:
+        y_MN = _few_rows(x_MC, w_NC, out_dtype)
+    else:
+        y_MN = mm(x_MC, w_NC, "mc,nc->mn", out_dtype)
     return y_MN.reshape(*free_shape, *w.shape[:n_w_free])
 
 

@@ -58,10 +58,37 @@ def _norm(x, scale, eps, centre):
     return _norm_fwd(x, scale, eps, centre)[0]
 
 
+def _shift(x32: jax.Array) -> jax.Array:
+    """A value within each row's spread, from elementwise work alone: the median of its first three
+    entries, so that one outlier among them (trained GPT-2s carry a few huge residual dimensions)
+    is never the shift."""
+    if x32.shape[-1] < 3:
+        return x32[..., :1]
+    a, b, c = x32[..., 0:1], x32[..., 1:2], x32[..., 2:3]
+    return jnp.maximum(jnp.minimum(a, b), jnp.minimum(jnp.maximum(a, b), c))
+
+
+def _centre(x32: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rows centred, and their variances, from one pass: two sums that read x side by side (on
+    a GPU one kernel, where a mean and then a variance of the centred rows were two; the decoding
+    step's LayerNorm had three kernels). The rows are shifted first (`_shift`): E[d^2] - E[d]^2
+    cancels about (shift - mean)^2 / var of its digits, a few when the shift lies within the row's
+    spread (the textbook one-pass formula, unshifted, would lose all of them to a mean far from
+    zero), at worst D when the shift is the one outlier that dominates the row (two of the first
+    three entries outliers). The centred row d - E[d] is never rounded through the mean itself
+    (more exact than the two-pass formula for rows far from zero); a constant row gives exactly 0."""
+    d = x32 - _shift(x32)
+    d_mean = _row_mean(d)
+    return d - d_mean, jnp.maximum(_row_mean(jnp.square(d)) - jnp.square(d_mean), 0.0)
+
+
 def _norm_fwd(x, scale, eps, centre):
     x32 = x.astype(jnp.float32)
-    xc = x32 - _row_mean(x32) if centre else x32
-    rstd = jax.lax.rsqrt(_row_mean(jnp.square(xc)) + eps)
+    if centre:
+        xc, var = _centre(x32)
+    else:
+        xc, var = x32, _row_mean(jnp.square(x32))
+    rstd = jax.lax.rsqrt(var + eps)
     xhat = xc * rstd
     return xhat * scale, (xhat, rstd, scale, jnp.zeros((), x.dtype))
 

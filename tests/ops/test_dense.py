@@ -113,10 +113,13 @@ def test_decode_dense_with_out_in_weights_matches_reference(spec, xs, ws, dtype,
     w = jax.random.normal(kw, ws, jnp.float32)
     perm, spec_t = D.contract_last(spec)
     assert D.contract_last(spec_t) == (tuple(range(len(ws))), spec_t)  # already [out, in]
-    y = jax.jit(lambda x, w: D.decode_dense(x, w, spec, jnp.dtype(dtype)))(x, jnp.transpose(w, perm))
     ref = D.dense_reference(x, w, spec, jnp.dtype(dtype))
-    assert y.shape == ref.shape and y.dtype == jnp.float32
-    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)  # bf16: the same rounded inputs
+    # few_rows=False (the GPU's): few rows by a dot too
+    for few_rows in (True, False) if 2 <= rows <= D.FEW_ROWS else (True,):
+        y = jax.jit(lambda x, w: D.decode_dense(x, w, spec, jnp.dtype(dtype), few_rows=few_rows))(
+            x, jnp.transpose(w, perm))
+        assert y.shape == ref.shape and y.dtype == jnp.float32
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)  # bf16: the same rounded inputs
 
 
 def test_contract_last_layouts():

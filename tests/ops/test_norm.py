@@ -69,11 +69,20 @@ def test_under_remat_and_scan_match_reference():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
-def test_layer_norm_is_the_textbook_formula():
-    x = np.random.default_rng(0).normal(2.0, 3.0, (4, 10))
-    y = np.asarray(layer_norm(jnp.asarray(x, jnp.float32), jnp.ones(10), None))
+@pytest.mark.parametrize("mean,std,outlier", [(2.0, 3.0, None), (3e4, 1.0, None), (-50.0, 1e-2, None),
+                                              (0.0, 1.0, 0), (0.0, 1.0, 1), (3e4, 1.0, 2)])
+def test_layer_norm_is_the_textbook_formula(mean, std, outlier):
+    """Against float64, also for rows whose mean is far from zero next to their spread (the one-pass
+    statistics shift each row by a value within it, so they stay exact there; the two-pass formula
+    was off by 3e-3 at a mean of 3e4), and for rows with one huge entry among the first three (the
+    shift is their median, not the outlier: shifted by it, the error was 3e-3)."""
+    x = np.asarray(np.random.default_rng(0).normal(mean, std, (4, 768)), np.float32)
+    if outlier is not None:
+        x[:, outlier] += 3000.0
+    y = np.asarray(layer_norm(jnp.asarray(x), jnp.ones(768), None))
+    x = x.astype(np.float64)
     want = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
-    np.testing.assert_allclose(y, want, atol=1e-5)
+    np.testing.assert_allclose(y, want, atol=2e-5)
 
 
 @pytest.mark.parametrize("fast,ref,value", [(layer_norm, layer_norm_reference, 3.0),
