@@ -5,8 +5,9 @@ holds what that resolves to on the current backend for a given architecture: the
 attention kernel of the training/prefill path and of the cached (masked) path, whether to force the
 CPU's fast matmul layouts, the dtype the matmuls write (bf16 on GPU/TPU computing in bf16, as under
 PyTorch's autocast; float32 on CPU), how decoding holds and multiplies the dense weights, and the
-per-run settings the model needs (dropout, remat, scan). The model receives a `Runtime` when it is built and passes its fields down as arguments,
-so no traced code asks which backend it runs on, and tests pick a kernel by building a `Runtime`.
+per-run settings the model needs (dropout, remat, scan). The model receives a `Runtime` when it is
+built and passes its fields down as arguments, so no traced code asks which backend it runs on, and
+tests pick a kernel by building a `Runtime`.
 """
 from __future__ import annotations
 
@@ -267,6 +268,7 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  attention=training_attention(c.attention, dtype, cfg.head_dim, backend),
                  cached_attention=_USER_ATTENTION.get(c.attention, "xla"),
                  cpu_layouts=backend == "cpu", dropout=c.dropout, remat=c.remat,
-                 scan_layers=c.scan_layers, decode_weights={"cpu": "rows", "gpu": "dot"}.get(backend, ""),
+                 scan_layers=c.scan_layers,
+                 decode_weights={"cpu": "rows", "gpu": "dot"}.get(backend, ""),
                  matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype))
     return dataclasses.replace(rt, **override)
