@@ -187,3 +187,23 @@ def test_matvec_kernels_are_checked_on_cpu():
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["max_rel_err"] < 1e-5 and "shapes" not in out  # bf16 inputs, float32 sums; no timings
+
+
+@pytest.mark.parametrize("device,flagged", [("gpu: NVIDIA H200", True), ("cpu", False)])
+def test_gpu_suite_flags_gpu_checks_skipped_on_a_gpu(device, flagged):
+    """On a GPU, a skipped GPU check never saw it (run by hand they all once skipped, pinned to the
+    CPU): the suite reports it as an error; on CPU (--size=tiny) skipping is expected."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "bench" / "gpu.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+
+    class FakeRunner:
+        results = {"device": device}
+
+        def run(self, cmd):
+            return 0, "sssss\n5 skipped in 1.95s", 2.0
+
+    res = suite.part_tests(FakeRunner(), {})
+    assert res["skipped"] == 5 and ("error" in res) == flagged
+    assert ("5 GPU checks skipped on a GPU" in suite.markdown({"started": "", "parts": {"tests": res}})) == flagged
