@@ -30,6 +30,7 @@ from gpt.config import ComputeConfig, ModelConfig
 from gpt.ops.attention import ATTENTION_BLOCK
 
 _USER_ATTENTION = {"einsum": "reference", "xla": "xla", "cudnn": "cudnn"}
+DECODE_WEIGHTS = ("rows", "dot", "")  # Runtime.decode_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +58,6 @@ class Runtime:
     def __post_init__(self) -> None:
         if self.decode_weights not in DECODE_WEIGHTS:  # a typo would transpose, then multiply wrongly
             raise ValueError(f"decode_weights={self.decode_weights!r}: one of {DECODE_WEIGHTS}")
-
-
-DECODE_WEIGHTS = ("rows", "dot", "")
 
 
 CPU_BF16_ENV = "GPT_CPU_BF16"  # 1/0 overrides the detection (the tests pin float32 with 0)

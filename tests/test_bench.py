@@ -169,10 +169,7 @@ def test_profile_of_a_decoding_step():
 def test_profile_groups_kernels_by_kind():
     """cuBLAS's Hopper GEMMs (nvjet) are matmuls; cuDNN's flash kernels (which also name wgmma) are
     attention; XLA's fusions and copies keep their groups."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("kernel_time", REPO / "bench" / "kernel_time.py")
-    kt = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kt)
+    from bench import kernel_time as kt
     assert kt.group("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT") == "matmul"
     assert kt.group("gemm_fusion_dot_75") == "matmul"
     assert kt.group("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26") == "attention"
@@ -193,10 +190,7 @@ def test_matvec_kernels_are_checked_on_cpu():
 def test_gpu_suite_flags_gpu_checks_skipped_on_a_gpu(device, flagged):
     """On a GPU, a skipped GPU check never saw it (run by hand they all once skipped, pinned to the
     CPU): the suite reports it as an error; on CPU (--size=tiny) skipping is expected."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_suite", REPO / "bench" / "gpu.py")
-    suite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suite)
+    from bench import gpu as suite
 
     class FakeRunner:
         results = {"device": device}
