@@ -9,17 +9,27 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TEST_XLA_FLAGS
+from helpers import REPO, TEST_XLA_FLAGS, takes_silently
 
 _PINNED_TO_CPU = "JAX_PLATFORMS" not in os.environ  # the tests run on CPU unless told otherwise
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # --dtype=auto is bfloat16 on CPUs with native bf16; the tests' tolerances are for float32, and the
 # same on every machine class, so auto means float32 here (subprocesses inherit it).
 os.environ.setdefault("GPT_CPU_BF16", "0")
-# LLVM -O0 for the tests' programs (helpers.TEST_XLA_FLAGS: same HLO, ~40% less compile time), kept
-# with any flags the developer set and inherited by subprocesses; a level the developer set wins.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
+
+def _test_xla_flags() -> None:
+    """helpers.TEST_XLA_FLAGS added to the developer's XLA_FLAGS and inherited by every test
+    process (pytest-xdist workers and subprocesses find them set and add nothing), the XLA:CPU
+    ones only if this XLA takes them silently; an optimisation level the developer set wins."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" in flags:
+        return
+    ours = TEST_XLA_FLAGS if takes_silently(f"{flags} {TEST_XLA_FLAGS}") else TEST_XLA_FLAGS.split()[0]
+    os.environ["XLA_FLAGS"] = f"{flags} {ours}".strip()
+
+
+_test_xla_flags()
 
 
 def _session_compilation_cache() -> None:

@@ -8,18 +8,44 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# XLA compiles the tests' many small programs with LLVM at -O0: the optimised HLO (fusions, layouts,
-# copies: what the HLO-reading tests inspect) is the same, the machine code is slower, and on CPU
-# compilation, most of the default run's time, takes about 40% less. Set for every test process.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# XLA compiles the tests' many small programs the fastest way it can, compilation being most of the
+# default run's time on CPU: LLVM at -O0 (the machine code is slower, the optimised HLO the same),
+# XLA:CPU's older fusion emitters (its newer MLIR ones compile about 25% slower; a few fusions
+# differ, so the tests that read the compiled program's structure compile it with USER_XLA_FLAGS)
+# and one LLVM module per program (no split for parallel codegen: the two test workers already use
+# both cores). tests/conftest.py sets them for every test process, and only the first if this XLA
+# does not take the others silently.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                  "--xla_cpu_parallel_codegen_split_count=1")
+TEST_XLA_FLAG_NAMES = tuple(f.split("=")[0] for f in TEST_XLA_FLAGS.split())
 
 
-def xla_flags(devices: int | None = None) -> str:
+def user_xla_flags() -> str:
+    """XLA_FLAGS as the developer set them, without TEST_XLA_FLAGS: programs compiled as a user's
+    run compiles them."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if f.split("=")[0] not in TEST_XLA_FLAG_NAMES)
+
+
+def xla_flags(devices: int | None = None, as_users: bool = False) -> str:
     """XLA_FLAGS for a test process: this process's flags (tests/conftest.py adds TEST_XLA_FLAGS to
-    the developer's), with `devices` simulated CPU devices in place of any device count there."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", TEST_XLA_FLAGS).split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    the developer's; `as_users`: without them), with `devices` simulated CPU devices in place of
+    any device count there."""
+    base = user_xla_flags() if as_users else os.environ.get("XLA_FLAGS", TEST_XLA_FLAGS)
+    flags = [f for f in base.split() if not f.startswith("--xla_force_host_platform_device_count")]
     return " ".join(flags + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
+
+
+def takes_silently(flags: str) -> bool:
+    """Whether this XLA starts with `flags` and says nothing (an unknown flag aborts, a retired one
+    warns on stderr, which the one-line error tests would see): a CPU start-up in a subprocess."""
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    try:
+        r = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return False
+    return r.returncode == 0 and not r.stderr.strip()
 
 
 # Unspaced CJK, emoji with ZWJ and a flag, combining marks: text whose characters are 2-4 bytes.
@@ -74,9 +100,10 @@ def run_cli(capsys, main, *argv: str) -> tuple[int, str, list[str]]:
     return e.value.code, out, [ln for ln in err.splitlines() if ln.strip()]
 
 
-def run_on_cpu_devices(script: str, n: int = 4, timeout: int = 120) -> dict:
-    """Run a script in a fresh process with `n` CPU devices; return the JSON on its last output line."""
-    env = dict(os.environ, XLA_FLAGS=xla_flags(n), JAX_PLATFORMS="cpu",
+def run_on_cpu_devices(script: str, n: int = 4, timeout: int = 120, as_users: bool = False) -> dict:
+    """Run a script in a fresh process with `n` CPU devices (`as_users`: compiled with the user's
+    XLA flags, not the tests'); return the JSON on its last output line."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags(n, as_users), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)

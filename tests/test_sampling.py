@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import tiny_model_config
+from helpers import run_on_cpu_devices, tiny_model_config
 from gpt.model import GPT, init_cache
 from bench.nocache import full_recompute_generate
 from gpt.sampling import (SamplingSettings, Sampler, filter_logits,
@@ -186,42 +186,48 @@ def test_generate_is_usable_inside_jit(model):
     assert out.shape == (2, 11)
 
 
-def test_decode_reads_the_cache_in_place(model):
-    """Attention reads each layer's keys [B, G, K, S] and values [B, G, S, K] as they are held: the
-    compiled decode loop makes no transposed copy of a layer's cache (held [B, S, G, K], XLA:CPU
-    transposed every layer's keys and values on every step; BENCHMARKS.md)."""
-    sampler = Sampler(model, SamplingSettings(max_new_tokens=8, temperature=1.0, top_k=5))
-    state = sampler.start([[1, 2, 3]], jax.random.key(0))
-    hlo = sampler._decode.lower(sampler.params, state, 8).compile().as_text()
-    layer_dims = sorted(state.cache.v_LBGSK.shape[1:])
-    ops = re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} (?:copy|transpose)\(", hlo)
-    moved = [dims for dims in ops if sorted(int(d) for d in dims.split(",") if d) == layer_dims]
-    assert not moved, moved
-
-
-def test_decode_writes_the_cache_in_place(model):
-    """The compiled decode loop writes each token's keys/values into the cache without copying the
-    whole cache (such copies, twice per token for keys and for values, took about a sixth of a
-    GPT-2 decode step on CPU; BENCHMARKS.md)."""
-    sampler = Sampler(model, SamplingSettings(max_new_tokens=8, temperature=1.0, top_k=5))
-    state = sampler.start([[1, 2, 3]], jax.random.key(0))
-    hlo = sampler._decode.lower(sampler.params, state, 8).compile().as_text()
-    for cache in (state.cache.k_LBGKS, state.cache.v_LBGSK):
-        cache_type = "f32[{}]".format(",".join(map(str, cache.shape)))
-        copies = [line for line in hlo.splitlines() if f"= {cache_type}" in line and " copy(" in line]
-        assert not copies, copies[:2]
-
-
-@pytest.mark.parametrize("batch", [1, 3])  # one row: XLA's matrix-vector dot; 3: the few-row fusion
-def test_decode_reads_the_weights_without_copying_them(model, batch):
-    """No weight is transposed or copied inside the compiled decode loop: the decoding layers hold
-    them [out, in] once (gpt.model.for_decoding) and every product reads them in place (an einsum
-    over the unflattened weight made XLA copy w_qkv and w_o back to [in, out] on every token)."""
+_DECODE_HLO = """
+import json, jax
+from flax import nnx
+from helpers import random_params, tiny_model_config
+from gpt.model import abstract_model
+from gpt.sampling import SamplingSettings, Sampler
+cfg = tiny_model_config(block_size=96)
+model = nnx.merge(nnx.graphdef(abstract_model(cfg)), random_params(cfg, seed=3))
+out = {}
+for batch in (1, 3):
     sampler = Sampler(model, SamplingSettings(max_new_tokens=8, temperature=1.0, top_k=5))
     state = sampler.start([[1, 2, 3]] * batch, jax.random.key(0))
-    hlo = sampler._decode.lower(sampler.params, state, 8).compile().as_text()
-    weights = {tuple(sorted(a.shape)) for a in jax.tree.leaves(sampler.params) if a.ndim >= 2}
-    moved = [line for line in hlo.splitlines() if (" copy(" in line or " transpose(" in line)
-             and (m := re.search(r"= f32\[([\d,]+)\]", line))
-             and tuple(sorted(int(d) for d in m.group(1).split(","))) in weights]
-    assert not moved, moved[:2]
+    out[batch] = {"hlo": sampler._decode.lower(sampler.params, state, 8).compile().as_text(),
+                  "caches": [list(state.cache.k_LBGKS.shape), list(state.cache.v_LBGSK.shape)],
+                  "weights": [a.shape for a in jax.tree.leaves(sampler.params) if a.ndim >= 2]}
+print(json.dumps(out))
+"""
+
+
+def test_decode_loop_reads_and_writes_the_cache_and_weights_in_place():
+    """The compiled decode loop of a tiny model, for 1 row (XLA's matrix-vector dot) and 3 (the
+    few-row fusion), as a user's run compiles it (the tests' XLA flags change a few fusions:
+    tests/helpers.py), moves neither the cache nor a weight:
+    - attention reads each layer's keys [B, G, K, S] and values [B, G, S, K] as they are held: no
+      transposed copy of a layer's cache (held [B, S, G, K], XLA:CPU transposed every layer's keys
+      and values on every step; BENCHMARKS.md);
+    - each token's keys/values are written into the cache without copying the whole cache (such
+      copies, twice per token, took about a sixth of a GPT-2 decode step on CPU);
+    - no weight is transposed or copied: the decoding layers hold them [out, in] once
+      (gpt.model.for_decoding) and every product reads them in place (an einsum over the
+      unflattened weight made XLA copy w_qkv and w_o back to [in, out] on every token)."""
+    for batch, got in run_on_cpu_devices(_DECODE_HLO, 1, as_users=True).items():
+        hlo, (k_shape, v_shape) = got["hlo"], got["caches"]
+        ops = re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} (?:copy|transpose)\(", hlo)
+        moved = [dims for dims in ops if sorted(int(d) for d in dims.split(",") if d) == sorted(v_shape[1:])]
+        assert not moved, (batch, "a layer's cache transposed", moved)
+        for shape in (k_shape, v_shape):
+            cache_type = "f32[{}]".format(",".join(map(str, shape)))
+            copies = [line for line in hlo.splitlines() if f"= {cache_type}" in line and " copy(" in line]
+            assert not copies, (batch, "the whole cache copied", copies[:2])
+        weights = {tuple(sorted(shape)) for shape in got["weights"]}
+        moved = [line for line in hlo.splitlines() if (" copy(" in line or " transpose(" in line)
+                 and (m := re.search(r"= f32\[([\d,]+)\]", line))
+                 and tuple(sorted(int(d) for d in m.group(1).split(","))) in weights]
+        assert not moved, (batch, "a weight moved", moved[:2])

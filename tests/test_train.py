@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import REPO, tiny_model_config
+from helpers import REPO, tiny_model_config, user_xla_flags
 from gpt import train as T
 from gpt.config import ModelConfig, TrainConfig, build, build_train
 from gpt.errors import UserError
@@ -167,11 +167,15 @@ def test_cli_errors_are_one_line(tmp_path, args, needle):
 
 def test_cli_keeps_compiled_programs_for_the_next_run(tmp_path, char_data):
     """train.py keeps its compiled programs in $GPT_COMPILATION_CACHE: a second run of the same
-    shapes finds every one of them there (no new entries) and trains exactly as the first."""
+    shapes finds every one of them there (no new entries) and trains exactly as the first. Both
+    compile as a user's run does (not with the tests' XLA flags, tests/helpers.py), and their
+    losses are those of the same run here with the tests' flags."""
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    env.update(GPT_COMPILATION_CACHE=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    args = ["--preset=tiny", f"--data_dir={char_data}", "--no_progress", "--max_iters=4", "--eval_interval=4"]
+    env.update(GPT_COMPILATION_CACHE=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               XLA_FLAGS=user_xla_flags())
+    args = ["--preset=tiny", f"--data_dir={char_data}", "--no_progress", "--log_interval=1", "--max_iters=4",
+            "--eval_interval=4"]
     first = _cli(*args, f"--out_dir={tmp_path / 'a'}", env=env)
     assert first.returncode == 0, first.stderr
     entries = sorted(cache.glob("cpu-*/*-cache"))
@@ -179,9 +183,16 @@ def test_cli_keeps_compiled_programs_for_the_next_run(tmp_path, char_data):
     second = _cli(*args, f"--out_dir={tmp_path / 'b'}", env=env)
     assert second.returncode == 0 and "warning" not in second.stderr.lower(), second.stderr
     assert sorted(cache.glob("cpu-*/*-cache")) == entries
-    evals = [[r for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())
-              if r["kind"] == "eval"] for d in "ab"]
-    assert [e["val_loss"] for e in evals[0]] == [e["val_loss"] for e in evals[1]]
+    records = [[json.loads(ln) for ln in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+               for d in "ab"]
+    val_losses = [[r["val_loss"] for r in recs if r["kind"] == "eval"] for recs in records]
+    assert val_losses[0] == val_losses[1]
+    here = run(tmp_path / "c", char_data, "--max_iters=4", "--eval_interval=4")
+    train_losses = [(r["step"], r["loss"]) for r in records[0] if r["kind"] == "train"]
+    assert [s for s, _ in here["train_losses"]] == [s for s, _ in train_losses] == [1, 2, 3, 4]
+    np.testing.assert_allclose([loss for _, loss in here["train_losses"]], [loss for _, loss in train_losses],
+                               rtol=1e-5)
+    np.testing.assert_allclose(here["val_loss"], val_losses[0][-1], rtol=1e-5)
 
 
 def test_init_from_checkpoint_dir_and_hf_gpt2(tmp_path, char_data, monkeypatch):
