@@ -1,7 +1,7 @@
 """The GPU suite in one command: GPU tests, training and decoding benchmarks, a short training run.
 
     python bench/gpu.py --out=DIR [--size=full|tiny] [--parts=tests,sample,curve,speculative,train]
-                        [--train_variants=NAME,...] [--timeout=SEC]
+                        [--train_variants=NAME,...] [--timeout=SEC] [--xla_flags="FLAGS;FLAGS..."]
 
 Parts (each runs in its own process, so an out-of-memory variant or a crash is recorded and the
 suite goes on):
@@ -16,6 +16,10 @@ suite goes on):
   `shakespeare` pair (shakespeare-char's 10.7M target, a 25x smaller draft) trained here for 5,000
   steps each, plain against speculative decoding with the acceptance and the predicted speedup;
   then K=4 and K=6 with the same target and a draft distilled from it (`--distill_rows`).
+- xla (not run unless named in --parts): XLA flags that might lift the two GPU targets, each
+  setting (--xla_flags, ";" between settings; default XLA_CANDIDATES) in its own processes after
+  a baseline without them: the headline training step (batch 64) and batch-1 decoding, each
+  against the baseline. A flag this XLA does not know ends only its own runs (recorded).
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -36,6 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ("tests", "sample", "curve", "speculative", "train")  # the longest last: a cut-short run keeps the rest
+EXTRA_PARTS = ("xla",)  # run only when named
 
 # name -> bench/train.py flags. The first is the headline configuration; "scan" measures compile
 # time with --scan_layers; the larger batches and remat policies look for the fastest that fits.
@@ -48,6 +53,13 @@ TRAIN_FULL = {
     "b64": ["--batch_size=64"],
 }
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
+# XLA:GPU settings for the part "xla", aimed at what the H200 profile showed (BENCHMARKS.md): the
+# fusions around the GEMMs (bias, GELU), the cross-entropy's softmax over the [B*T, V] logits,
+# LayerNorm, and top-k 200's radix sort in every decoded token.
+XLA_CANDIDATES = ("--xla_gpu_enable_cublaslt=true",
+                  "--xla_gpu_experimental_enable_triton_softmax_priority_fusion=true",
+                  "--xla_gpu_enable_cudnn_layer_norm=true",
+                  "--xla_gpu_experimental_use_raft_select_k=true")
 
 
 def sizes(size: str) -> dict:
@@ -58,12 +70,14 @@ def sizes(size: str) -> dict:
                     sample_batches="1,4", new_tokens=8, curve_steps=20,
                     curve_flags=["--preset=tiny", "--eval_interval=10", "--eval_iters=2",
                                  "--log_interval=5"],
-                    spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16)
+                    spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16,
+                    xla_train=["--batch_size=4"])
     return dict(train_preset="gpt2", train_variants=TRAIN_FULL, steps=["--steps=10", "--warmup=3"],
                 sample_config="gpt2", sample_batches="1,16,64", new_tokens=256, curve_steps=300,
                 curve_flags=["--preset=shakespeare-char", "--eval_interval=50", "--eval_iters=20",
                              "--log_interval=10"],
-                spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"], distill_rows=2560)
+                spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"], distill_rows=2560,
+                xla_train=["--batch_size=64"])
 
 
 class Runner:
@@ -115,7 +129,10 @@ def why_failed(rc: int, text: str) -> str:
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
         return "out of memory"
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else f"exit {rc}"
+    if not lines:
+        return f"exit {rc}"
+    # an XLA/absl log line ("F1126 06:40:45.522738 27463 file.cc:234] message"): the message
+    return re.sub(r"^[FEWI]\d{4} [\d:.]+\s+\d+ \S+\] ", "", lines[-1])[:300]
 
 
 def part_tests(r: Runner, sz: dict) -> dict:
@@ -172,6 +189,34 @@ def part_speculative(r: Runner, sz: dict) -> dict:
         rows[name] = (res or {}).get("speculative") or {"error": why_failed(rc, text)}
         r.save("speculative", rows)
     shutil.rmtree(env["GPT_BENCH_CACHE"], ignore_errors=True)
+    return rows
+
+
+def part_xla(r: Runner, sz: dict, settings: list[str]) -> dict:
+    """The headline training step and batch-1 decoding under each XLA flags setting, the first
+    run without any ("baseline"); ratios are against it (below 1: faster)."""
+    rows: dict = {}
+    for setting in ["", *settings]:
+        env = dict(r.env, XLA_FLAGS=f"{r.env.get('XLA_FLAGS', '')} {setting}".strip())
+        row: dict = {}
+        rc, text, _ = r.run([sys.executable, "bench/train.py", f"--preset={sz['train_preset']}",
+                             "--dtypes=bfloat16", "--gradient_accumulation_steps=1", *sz["xla_train"],
+                             *sz["steps"]], env=env)
+        res = last_json(text) if rc == 0 else None
+        row.update({"train_step_ms": res["step_ms"], "mfu_vendor": res["mfu_vendor"]} if res
+                   else {"train_error": why_failed(rc, text)})
+        rc, text, _ = r.run([sys.executable, "bench/sample.py", f"--configs={sz['sample_config']}",
+                             "--batches=1", f"--new_tokens={sz['new_tokens']}", "--baseline_batches=",
+                             "--weights=compute"], env=env)
+        res = last_json(text) if rc == 0 else None
+        row.update({"decode_ms": res["results"][0]["ms_per_step"]} if res
+                   else {"decode_error": why_failed(rc, text)})
+        base = rows.get("baseline", row)
+        for key in ("train_step_ms", "decode_ms"):
+            if key in row and key in base:
+                row[key.replace("_ms", "_vs_baseline")] = row[key] / base[key]
+        rows[setting or "baseline"] = row
+        r.save("xla", rows)
     return rows
 
 
@@ -244,6 +289,18 @@ def _spec_table(rows: dict) -> list[str]:
     return lines
 
 
+def _xla_table(rows: dict) -> list[str]:
+    lines = ["| XLA flags | train step ms | vs baseline | MFU (vendor peak) | decode ms/token, batch 1 | "
+             "vs baseline |", "|---|---|---|---|---|---|"]
+    ratio = lambda x: f"{x:.3f}" if isinstance(x, float) else "-"  # noqa: E731
+    for name, x in rows.items():
+        train = f"{x['train_step_ms']:.1f}" if "train_step_ms" in x else x.get("train_error", "-")
+        decode = f"{x['decode_ms']:.3f}" if "decode_ms" in x else x.get("decode_error", "-")
+        lines.append(f"| {name} | {train} | {ratio(x.get('train_step_vs_baseline'))} | "
+                     f"{_pct(x.get('mfu_vendor'))} | {decode} | {ratio(x.get('decode_vs_baseline'))} |")
+    return lines
+
+
 def markdown(results: dict) -> str:
     p = results["parts"]
     out = [f"# GPU suite ({results.get('device', '?')}, jax {results.get('jax', '?')}, "
@@ -261,6 +318,9 @@ def markdown(results: dict) -> str:
     if "speculative" in p:
         out += ["## Speculative decoding (bench/sample.py --speculative, greedy, batch 1)", "",
                 *_spec_table(p["speculative"]), ""]
+    if "xla" in p:
+        out += ["## XLA flags (training step and batch-1 decoding against the baseline)", "",
+                *_xla_table(p["xla"]), ""]
     if "curve" in p:
         c = p["curve"]
         out += ["## Short training run (train.py)", "", f"exit {c['exit']}, {c['wall_sec']:.0f} s wall, "
@@ -285,11 +345,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--parts", default=",".join(PARTS))
     ap.add_argument("--train_variants", default="", help="comma list of variant names (default all)")
     ap.add_argument("--timeout", type=int, default=420, help="seconds per process")
+    ap.add_argument("--xla_flags", default=";".join(XLA_CANDIDATES),
+                    help='the part "xla": settings to compare with the baseline, ";" between them')
     args = ap.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
-    bad = [x for x in parts if x not in PARTS]
+    bad = [x for x in parts if x not in PARTS + EXTRA_PARTS]
     if bad:
-        ap.error(f"unknown part(s) {', '.join(bad)} (choose from {', '.join(PARTS)})")
+        ap.error(f"unknown part(s) {', '.join(bad)} (choose from {', '.join(PARTS + EXTRA_PARTS)})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # No compilation cache: the curve's wall time includes its compiles, as on a first run.
@@ -303,10 +365,12 @@ def main(argv: list[str]) -> int:
     print(f"GPU suite on {r.results['device']} (jax {r.results['jax']}), parts {', '.join(parts)}")
     sz = sizes(args.size)
     only = [x for x in args.train_variants.split(",") if x]
+    settings = [x.strip() for x in args.xla_flags.split(";") if x.strip()]
     for part in parts:
         res = {"tests": lambda: part_tests(r, sz), "train": lambda: part_train(r, sz, only),
                "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz),
-               "speculative": lambda: part_speculative(r, sz)}[part]()
+               "speculative": lambda: part_speculative(r, sz),
+               "xla": lambda: part_xla(r, sz, settings)}[part]()
         r.save(part, res)
     print(markdown(r.results))
     return 0
