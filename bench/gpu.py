@@ -17,9 +17,10 @@ suite goes on):
   steps each, plain against speculative decoding with the acceptance and the predicted speedup;
   then K=4 and K=6 with the same target and a draft distilled from it (`--distill_rows`).
 - xla (not run unless named in --parts): XLA flags that might lift the two GPU targets, each
-  setting (--xla_flags, ";" between settings; default XLA_CANDIDATES) in its own processes after
-  a baseline without them: the headline training step (batch 64) and batch-1 decoding, each
-  against the baseline. A flag this XLA does not know ends only its own runs (recorded).
+  setting (--xla_flags, ";" between settings; default XLA_CANDIDATES) added to the environment's
+  XLA_FLAGS in its own processes after a baseline with those alone: the headline training step
+  (batch 64) and batch-1 decoding, each against the baseline. A flag this XLA does not know ends
+  only its own runs, and one it has retired (a warning, no effect) is noted in its row.
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -54,10 +55,11 @@ TRAIN_FULL = {
 }
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
 # XLA:GPU settings for the part "xla", aimed at what the H200 profile showed (BENCHMARKS.md): the
-# fusions around the GEMMs (bias, GELU), the cross-entropy's softmax over the [B*T, V] logits,
-# LayerNorm, and top-k 200's radix sort in every decoded token.
+# fusions around the GEMMs (bias, GELU), the cross-entropy's softmax over the [B*T, V] logits
+# (normalisation fusions as Triton block-level kernels), LayerNorm, and top-k 200's radix sort in
+# every decoded token. All four start on jax 0.10.2.
 XLA_CANDIDATES = ("--xla_gpu_enable_cublaslt=true",
-                  "--xla_gpu_experimental_enable_triton_softmax_priority_fusion=true",
+                  "--xla_gpu_experimental_enable_fusion_block_level_rewriter=true",
                   "--xla_gpu_enable_cudnn_layer_norm=true",
                   "--xla_gpu_experimental_use_raft_select_k=true")
 
@@ -192,33 +194,41 @@ def part_speculative(r: Runner, sz: dict) -> dict:
     return rows
 
 
+def _figures(rc: int, text: str, read) -> dict:
+    """`read(result JSON)` of a run that succeeded, else {"error": why}; a flag XLA only warns
+    about (retired: it does nothing) is noted, so its row does not pass for a measurement."""
+    res = last_json(text) if rc == 0 else None
+    try:
+        row = read(res) if res else {"error": why_failed(rc, text)}
+    except (KeyError, IndexError, TypeError):
+        row = {"error": "no figures in the output"}
+    retired = [ln for ln in text.splitlines() if "no longer supported" in ln]
+    return {**row, **({"warning": why_failed(1, retired[0])} if retired else {})}
+
+
 def part_xla(r: Runner, sz: dict, settings: list[str]) -> dict:
-    """The headline training step and batch-1 decoding under each XLA flags setting, the first
-    run without any ("baseline"); ratios are against it (below 1: faster)."""
+    """The headline training step and batch-1 decoding under each XLA flags setting, added to the
+    environment's XLA_FLAGS (the baseline: those alone); ratios are against the baseline (below
+    1: faster)."""
     rows: dict = {}
+    r.results["xla_flags_baseline"] = r.env.get("XLA_FLAGS", "")
     for setting in ["", *settings]:
         env = dict(r.env, XLA_FLAGS=f"{r.env.get('XLA_FLAGS', '')} {setting}".strip())
-        row: dict = {}
         rc, text, _ = r.run([sys.executable, "bench/train.py", f"--preset={sz['train_preset']}",
                              "--dtypes=bfloat16", "--gradient_accumulation_steps=1", *sz["xla_train"],
                              *sz["steps"]], env=env)
-        res = last_json(text) if rc == 0 else None
-        row.update({"train_step_ms": res["step_ms"], "mfu_vendor": res["mfu_vendor"]} if res
-                   else {"train_error": why_failed(rc, text)})
+        train = _figures(rc, text, lambda res: {"ms": res["step_ms"], "mfu_vendor": res["mfu_vendor"]})
         rc, text, _ = r.run([sys.executable, "bench/sample.py", f"--configs={sz['sample_config']}",
                              "--batches=1", f"--new_tokens={sz['new_tokens']}", "--baseline_batches=",
                              "--weights=compute"], env=env)
-        res = last_json(text) if rc == 0 else None
-        row.update({"decode_ms": res["results"][0]["ms_per_step"]} if res
-                   else {"decode_error": why_failed(rc, text)})
-        base = rows.get("baseline", row)
-        for key in ("train_step_ms", "decode_ms"):
-            if key in row and key in base:
-                row[key.replace("_ms", "_vs_baseline")] = row[key] / base[key]
-        rows[setting or "baseline"] = row
+        decode = _figures(rc, text, lambda res: {"ms": res["results"][0]["ms_per_step"]})
+        base = rows.get("baseline", {"train": train, "decode": decode})
+        for name, now in (("train", train), ("decode", decode)):
+            if "ms" in now and "ms" in base[name]:
+                now["vs_baseline"] = now["ms"] / base[name]["ms"]
+        rows[setting or "baseline"] = {"train": train, "decode": decode}
         r.save("xla", rows)
     return rows
-
 
 def part_curve(r: Runner, sz: dict) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-curve-"))
@@ -289,17 +299,19 @@ def _spec_table(rows: dict) -> list[str]:
     return lines
 
 
-def _xla_table(rows: dict) -> list[str]:
-    lines = ["| XLA flags | train step ms | vs baseline | MFU (vendor peak) | decode ms/token, batch 1 | "
-             "vs baseline |", "|---|---|---|---|---|---|"]
+def _xla_table(rows: dict, baseline_flags: str) -> list[str]:
+    lines = [f"Baseline XLA_FLAGS: `{baseline_flags or '(none)'}`", "",
+             "| XLA flags | train step ms | vs baseline | MFU (vendor peak) | decode ms/token, batch 1 | "
+             "vs baseline | note |", "|---|---|---|---|---|---|---|"]
     ratio = lambda x: f"{x:.3f}" if isinstance(x, float) else "-"  # noqa: E731
     for name, x in rows.items():
-        train = f"{x['train_step_ms']:.1f}" if "train_step_ms" in x else x.get("train_error", "-")
-        decode = f"{x['decode_ms']:.3f}" if "decode_ms" in x else x.get("decode_error", "-")
-        lines.append(f"| {name} | {train} | {ratio(x.get('train_step_vs_baseline'))} | "
-                     f"{_pct(x.get('mfu_vendor'))} | {decode} | {ratio(x.get('decode_vs_baseline'))} |")
+        t, d = x["train"], x["decode"]
+        note = "; ".join(dict.fromkeys(y for y in (t.get("warning"), d.get("warning")) if y))
+        cells = [name, f"{t['ms']:.1f}" if "ms" in t else t.get("error", "-"), ratio(t.get("vs_baseline")),
+                 _pct(t.get("mfu_vendor")), f"{d['ms']:.3f}" if "ms" in d else d.get("error", "-"),
+                 ratio(d.get("vs_baseline")), note]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return lines
-
 
 def markdown(results: dict) -> str:
     p = results["parts"]
@@ -320,7 +332,7 @@ def markdown(results: dict) -> str:
                 *_spec_table(p["speculative"]), ""]
     if "xla" in p:
         out += ["## XLA flags (training step and batch-1 decoding against the baseline)", "",
-                *_xla_table(p["xla"]), ""]
+                *_xla_table(p["xla"], results.get("xla_flags_baseline", "")), ""]
     if "curve" in p:
         c = p["curve"]
         out += ["## Short training run (train.py)", "", f"exit {c['exit']}, {c['wall_sec']:.0f} s wall, "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TEST_XLA_FLAGS, takes_silently
+from helpers import REPO, TEST_XLA_FLAGS, USER_XLA_FLAGS_ENV, takes_silently
 
 _PINNED_TO_CPU = "JAX_PLATFORMS" not in os.environ  # the tests run on CPU unless told otherwise
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -23,6 +23,7 @@ def _test_xla_flags() -> None:
     process (pytest-xdist workers and subprocesses find them set and add nothing), the XLA:CPU
     ones only if this XLA takes them silently; an optimisation level the developer set wins."""
     flags = os.environ.get("XLA_FLAGS", "")
+    os.environ.setdefault(USER_XLA_FLAGS_ENV, flags)  # before ours: what a user's run compiles with
     if "xla_backend_optimization_level" in flags:
         return
     ours = TEST_XLA_FLAGS if takes_silently(f"{flags} {TEST_XLA_FLAGS}") else TEST_XLA_FLAGS.split()[0]

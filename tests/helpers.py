@@ -11,20 +11,19 @@ REPO = Path(__file__).resolve().parent.parent
 # XLA compiles the tests' many small programs the fastest way it can, compilation being most of the
 # default run's time on CPU: LLVM at -O0 (the machine code is slower, the optimised HLO the same),
 # XLA:CPU's older fusion emitters (its newer MLIR ones compile about 25% slower; a few fusions
-# differ, so the tests that read the compiled program's structure compile it with USER_XLA_FLAGS)
+# differ, so the decode loop's in-place checks compile it with user_xla_flags())
 # and one LLVM module per program (no split for parallel codegen: the two test workers already use
 # both cores). tests/conftest.py sets them for every test process, and only the first if this XLA
 # does not take the others silently.
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
                   "--xla_cpu_parallel_codegen_split_count=1")
-TEST_XLA_FLAG_NAMES = tuple(f.split("=")[0] for f in TEST_XLA_FLAGS.split())
+USER_XLA_FLAGS_ENV = "GPT_TESTS_USER_XLA_FLAGS"  # XLA_FLAGS as the developer set them (tests/conftest.py)
 
 
 def user_xla_flags() -> str:
-    """XLA_FLAGS as the developer set them, without TEST_XLA_FLAGS: programs compiled as a user's
-    run compiles them."""
-    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                    if f.split("=")[0] not in TEST_XLA_FLAG_NAMES)
+    """XLA_FLAGS as the developer set them, before TEST_XLA_FLAGS were added: programs compiled as
+    a user's run compiles them."""
+    return os.environ.get(USER_XLA_FLAGS_ENV, "")
 
 
 def xla_flags(devices: int | None = None, as_users: bool = False) -> str:

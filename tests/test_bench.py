@@ -119,26 +119,31 @@ def test_gpu_suite_runs_at_tiny_size(tmp_path):
     assert "## Training step" in md and "## Speculative decoding" in md
 
 
-
-@pytest.mark.slow  # four tiny runs and two that XLA refuses
+@pytest.mark.slow  # six tiny runs and two that XLA refuses
 def test_gpu_suite_compares_xla_flags_with_a_baseline(tmp_path):
     """bench/gpu.py --parts=xla: each setting runs the training step and batch-1 decoding in its
     own processes beside a baseline without it; a flag this XLA does not know is recorded as an
-    error of its own row, and the other rows stand."""
+    error of its own row, a retired one (a warning, no effect) as a note, and the other rows stand."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    settings = "--xla_gpu_enable_cublaslt=true; --xla_no_such_flag=1; --xla_cpu_use_thunk_runtime=true"
     r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}", "--size=tiny",
-                        "--parts=xla", "--xla_flags=--xla_gpu_enable_cublaslt=true; --xla_no_such_flag=1"],
+                        "--parts=xla", f"--xla_flags={settings}"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu.json").read_text())["parts"]["xla"]
-    assert list(rows) == ["baseline", "--xla_gpu_enable_cublaslt=true", "--xla_no_such_flag=1"]
-    assert rows["baseline"]["train_step_vs_baseline"] == rows["baseline"]["decode_vs_baseline"] == 1.0
+    assert list(rows) == ["baseline", *[x.strip() for x in settings.split(";")]]
+    assert rows["baseline"]["train"]["vs_baseline"] == rows["baseline"]["decode"]["vs_baseline"] == 1.0
     known = rows["--xla_gpu_enable_cublaslt=true"]
-    assert known["train_step_ms"] > 0 and known["decode_ms"] > 0 and known["decode_vs_baseline"] > 0
+    assert all(known[k]["ms"] > 0 and known[k]["vs_baseline"] > 0 and "warning" not in known[k]
+               for k in ("train", "decode"))
     unknown = rows["--xla_no_such_flag=1"]
-    assert "train_step_ms" not in unknown and "--xla_no_such_flag" in unknown["train_error"]
-    assert unknown["decode_error"] == unknown["train_error"]  # XLA's own line, without its log prefix
-    assert "## XLA flags" in (tmp_path / "gpu.md").read_text()
+    assert "ms" not in unknown["train"] and "--xla_no_such_flag" in unknown["train"]["error"]
+    assert unknown["decode"]["error"] == unknown["train"]["error"]  # XLA's own line, without its log prefix
+    retired = rows["--xla_cpu_use_thunk_runtime=true"]
+    assert retired["train"]["ms"] > 0 and "no longer supported" in retired["train"]["warning"]
+    md = (tmp_path / "gpu.md").read_text()
+    assert "## XLA flags" in md and "no longer supported" in md
+
 
 @pytest.mark.slow
 def test_bench_lora_smoke(tmp_path):

@@ -217,7 +217,9 @@ def test_decode_loop_reads_and_writes_the_cache_and_weights_in_place():
     - no weight is transposed or copied: the decoding layers hold them [out, in] once
       (gpt.model.for_decoding) and every product reads them in place (an einsum over the
       unflattened weight made XLA copy w_qkv and w_o back to [in, out] on every token)."""
-    for batch, got in run_on_cpu_devices(_DECODE_HLO, 1, as_users=True).items():
+    compiled = run_on_cpu_devices(_DECODE_HLO, 1, as_users=True)
+    assert set(compiled) == {"1", "3"}
+    for batch, got in compiled.items():
         hlo, (k_shape, v_shape) = got["hlo"], got["caches"]
         ops = re.findall(r"= f32\[([\d,]*)\]\{[^}]*\} (?:copy|transpose)\(", hlo)
         moved = [dims for dims in ops if sorted(int(d) for d in dims.split(",") if d) == sorted(v_shape[1:])]

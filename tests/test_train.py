@@ -169,7 +169,7 @@ def test_cli_keeps_compiled_programs_for_the_next_run(tmp_path, char_data):
     """train.py keeps its compiled programs in $GPT_COMPILATION_CACHE: a second run of the same
     shapes finds every one of them there (no new entries) and trains exactly as the first. Both
     compile as a user's run does (not with the tests' XLA flags, tests/helpers.py), and their
-    losses are those of the same run here with the tests' flags."""
+    losses are those of the same run here with the tests' flags (to 1e-4)."""
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     env.update(GPT_COMPILATION_CACHE=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -191,8 +191,8 @@ def test_cli_keeps_compiled_programs_for_the_next_run(tmp_path, char_data):
     train_losses = [(r["step"], r["loss"]) for r in records[0] if r["kind"] == "train"]
     assert [s for s, _ in here["train_losses"]] == [s for s, _ in train_losses] == [1, 2, 3, 4]
     np.testing.assert_allclose([loss for _, loss in here["train_losses"]], [loss for _, loss in train_losses],
-                               rtol=1e-5)
-    np.testing.assert_allclose(here["val_loss"], val_losses[0][-1], rtol=1e-5)
+                               rtol=1e-4)  # other machine code (-O0, older emitters): other roundings
+    np.testing.assert_allclose(here["val_loss"], val_losses[0][-1], rtol=1e-4)
 
 
 def test_init_from_checkpoint_dir_and_hf_gpt2(tmp_path, char_data, monkeypatch):
