@@ -131,10 +131,13 @@ def why_failed(rc: int, text: str) -> str:
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
         return "out of memory"
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    if not lines:
-        return f"exit {rc}"
-    # an XLA/absl log line ("F1126 06:40:45.522738 27463 file.cc:234] message"): the message
-    return re.sub(r"^[FEWI]\d{4} [\d:.]+\s+\d+ \S+\] ", "", lines[-1])[:300]
+    return log_message(lines[-1]) if lines else f"exit {rc}"
+
+
+def log_message(line: str) -> str:
+    """The message of an XLA/absl log line ("F1126 06:40:45.522738 27463 file.cc:234] message"; any
+    other line as it is), at most 300 characters."""
+    return re.sub(r"^[FEWI]\d{4} [\d:.]+\s+\d+ \S+\] ", "", line)[:300]
 
 
 def part_tests(r: Runner, sz: dict) -> dict:
@@ -150,14 +153,24 @@ def part_tests(r: Runner, sz: dict) -> dict:
     return res
 
 
+def train_cmd(sz: dict, flags: list[str]) -> list[str]:
+    """bench/train.py in bfloat16 on the size's preset, with `flags` (a variant's)."""
+    return [sys.executable, "bench/train.py", f"--preset={sz['train_preset']}", "--dtypes=bfloat16",
+            "--gradient_accumulation_steps=1", *flags, *sz["steps"]]
+
+
+def sample_cmd(sz: dict, batches: str, weights: str = "compute") -> list[str]:
+    """bench/sample.py decoding the size's config at `batches` (no full-recompute baseline)."""
+    return [sys.executable, "bench/sample.py", f"--configs={sz['sample_config']}", f"--batches={batches}",
+            f"--new_tokens={sz['new_tokens']}", "--baseline_batches=", f"--weights={weights}"]
+
+
 def part_train(r: Runner, sz: dict, only: list[str]) -> dict:
     rows = {}
     for name, flags in sz["train_variants"].items():
         if only and name not in only:
             continue
-        cmd = [sys.executable, "bench/train.py", f"--preset={sz['train_preset']}",
-               "--dtypes=bfloat16", "--gradient_accumulation_steps=1", *flags, *sz["steps"]]
-        rc, text, sec = r.run(cmd)
+        rc, text, sec = r.run(train_cmd(sz, flags))
         res = last_json(text) if rc == 0 else None
         rows[name] = {"flags": flags, "wall_sec": sec, **(res or {"error": why_failed(rc, text)})}
         r.save("train", rows)
@@ -167,10 +180,7 @@ def part_train(r: Runner, sz: dict, only: list[str]) -> dict:
 def part_sample(r: Runner, sz: dict) -> dict:
     rows = {}
     for weights in ("compute", "float32"):
-        cmd = [sys.executable, "bench/sample.py", f"--configs={sz['sample_config']}",
-               f"--batches={sz['sample_batches']}", f"--new_tokens={sz['new_tokens']}",
-               "--baseline_batches=", f"--weights={weights}"]
-        rc, text, sec = r.run(cmd)
+        rc, text, sec = r.run(sample_cmd(sz, sz["sample_batches"], weights))
         res = last_json(text) if rc == 0 else None
         rows[weights] = res or {"error": why_failed(rc, text)}
         r.save("sample", rows)
@@ -203,7 +213,7 @@ def _figures(rc: int, text: str, read) -> dict:
     except (KeyError, IndexError, TypeError):
         row = {"error": "no figures in the output"}
     retired = [ln for ln in text.splitlines() if "no longer supported" in ln]
-    return {**row, **({"warning": why_failed(1, retired[0])} if retired else {})}
+    return {**row, **({"warning": log_message(retired[0])} if retired else {})}
 
 
 def part_xla(r: Runner, sz: dict, settings: list[str]) -> dict:
@@ -214,13 +224,9 @@ def part_xla(r: Runner, sz: dict, settings: list[str]) -> dict:
     r.results["xla_flags_baseline"] = r.env.get("XLA_FLAGS", "")
     for setting in ["", *settings]:
         env = dict(r.env, XLA_FLAGS=f"{r.env.get('XLA_FLAGS', '')} {setting}".strip())
-        rc, text, _ = r.run([sys.executable, "bench/train.py", f"--preset={sz['train_preset']}",
-                             "--dtypes=bfloat16", "--gradient_accumulation_steps=1", *sz["xla_train"],
-                             *sz["steps"]], env=env)
+        rc, text, _ = r.run(train_cmd(sz, sz["xla_train"]), env=env)
         train = _figures(rc, text, lambda res: {"ms": res["step_ms"], "mfu_vendor": res["mfu_vendor"]})
-        rc, text, _ = r.run([sys.executable, "bench/sample.py", f"--configs={sz['sample_config']}",
-                             "--batches=1", f"--new_tokens={sz['new_tokens']}", "--baseline_batches=",
-                             "--weights=compute"], env=env)
+        rc, text, _ = r.run(sample_cmd(sz, "1"), env=env)
         decode = _figures(rc, text, lambda res: {"ms": res["results"][0]["ms_per_step"]})
         base = rows.get("baseline", {"train": train, "decode": decode})
         for name, now in (("train", train), ("decode", decode)):
@@ -229,6 +235,7 @@ def part_xla(r: Runner, sz: dict, settings: list[str]) -> dict:
         rows[setting or "baseline"] = {"train": train, "decode": decode}
         r.save("xla", rows)
     return rows
+
 
 def part_curve(r: Runner, sz: dict) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-curve-"))
@@ -312,6 +319,7 @@ def _xla_table(rows: dict, baseline_flags: str) -> list[str]:
                  ratio(d.get("vs_baseline")), note]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return lines
+
 
 def markdown(results: dict) -> str:
     p = results["parts"]
