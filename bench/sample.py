@@ -85,12 +85,17 @@ ARCH = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 CHAR_VOCAB = 65
 
 
-def build_model(name: str, dtype: str) -> tuple[ModelConfig, GPT]:
-    """Preset `name`'s architecture with random weights, computed in `dtype`."""
+def preset_model(name: str) -> ModelConfig:
+    """Preset `name`'s architecture."""
     p = PRESETS[name]
     kw = {k: p[k] for k in ARCH if k in p}
     kw.setdefault("vocab_size", CHAR_VOCAB)  # the char presets take their vocabulary from the data
-    cfg = validate_model(ModelConfig(**kw))
+    return validate_model(ModelConfig(**kw))
+
+
+def build_model(name: str, dtype: str) -> tuple[ModelConfig, GPT]:
+    """Preset `name`'s architecture with random weights, computed in `dtype`."""
+    cfg = preset_model(name)
     rt = resolve(cfg, validate_compute(ComputeConfig(dtype=dtype)))
     return cfg, GPT(cfg, rngs=nnx.Rngs(0), runtime=rt)
 

@@ -36,7 +36,7 @@ from gpt.config import ModelConfig
 from gpt.ops.attention import attention, cached_attention, repeat_kv_heads
 from gpt.ops.dense import contract_last, decode_dense, dense
 from gpt.ops.dropout import dropout
-from gpt.ops.norm import layer_norm, rms_norm
+from gpt.ops.norm import layer_norm, norm_factors, rms_norm
 from gpt.runtime import Runtime
 
 DYT_ALPHA = 0.5  # DyT's initial alpha (the paper's default)
@@ -76,6 +76,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype,
     start = jnp.zeros((batch,), jnp.int32) if start_B is None else jnp.asarray(start_B, jnp.int32)
     return KVCache(jnp.zeros((*lead, cfg.head_dim, max_len), dtype),
                    jnp.zeros((*lead, max_len, cfg.head_dim), dtype), jnp.array(0, jnp.int32), start)
+
+
+class Normed(NamedTuple):
+    """A LayerNorm/RMSNorm output with its 1/std not applied yet (decoding: `Block.norm_in`): the
+    norm is z * rstd, plus a bias that `for_decoding` folded into the next product's bias."""
+    z_BTD: jax.Array  # centred rows times the norm's scale, float32
+    rstd_BT1: jax.Array
 
 
 # ----------------------------------------------------------------------------- pure pieces
@@ -294,9 +301,28 @@ class Block(nnx.Module):
         if lora is not None:  # drawn after the base weights, which stay those of the plain model
             lora_lib.add_adapters(self, lora, rngs)
 
+    def norm_in(self, x_BTD, which: str, cfg: ModelConfig, rt: Runtime):
+        """The block's norm `which` ("ln1", "ln2") of x. Decoding one row (`rt.decode_layout`, B =
+        T = 1) takes a LayerNorm/RMSNorm without a bias (`for_decoding` folded it into the next
+        product's) as `Normed` factors, and `linear` applies the 1/std after the product
+        (`norm_factors`). More rows are products XLA:GPU runs as GEMMs, which take no fused
+        normalisation either way, and there the 1/std became a kernel of its own (kernel counts:
+        BENCHMARKS.md); a MoE block's router and experts take the normalised rows too."""
+        scale, bias, alpha = (getattr(self, f"{which}_{n}") for n in ("scale", "bias", "alpha"))
+        one_row = x_BTD.shape[0] * x_BTD.shape[1] == 1
+        if rt.decode_layout and one_row and cfg.norm != "dyt" and bias is None and \
+                not (self.moe and which == "ln2"):
+            xc_BTD, rstd_BT1 = norm_factors(x_BTD, cfg.norm_eps, cfg.norm == "layernorm")
+            return Normed(xc_BTD * scale[...], rstd_BT1)
+        return normalize(x_BTD, _norm(scale, bias, alpha), cfg)
+
     def linear(self, name: str, x, spec: str, mm, key=None):
         """x times the weight `name`, plus its LoRA update if it has an adapter (`key`: the
-        adapters' dropout, None when not training)."""
+        adapters' dropout, None when not training). A `Normed` x: its 1/std scales the product's rows."""
+        if isinstance(x, Normed):  # decoding, which has no adapters (for_decoding)
+            y = mm(x.z_BTD, getattr(self, name)[...], spec)
+            rstd = x.rstd_BT1.reshape(*x.rstd_BT1.shape[:2], *(1,) * (y.ndim - 2))
+            return (y * rstd).astype(y.dtype)
         y = mm(x, getattr(self, name)[...], spec)
         if self.lora is None or name not in self.lora.targets:
             return y
@@ -348,7 +374,7 @@ class Block(nnx.Module):
         lora_key = None if key is None else jax.random.fold_in(key, 3)  # the adapters' dropout
         mm = _matmul(rt, rt.matmul_out)
 
-        h_BTD = normalize(x_BTD, _norm(self.ln1_scale, self.ln1_bias, self.ln1_alpha), cfg)
+        h_BTD = self.norm_in(x_BTD, "ln1", cfg, rt)
         q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
                                   for a in self.qkv(h_BTD, positions_BT, cfg, mm, lora_key))
         if cache_write is None:
@@ -361,7 +387,7 @@ class Block(nnx.Module):
         attn_BTD = _add_bias(self.linear("w_o", y_BTHK, SPECS["w_o"], mm, lora_key), self.b_o)
         x_BTD = x_BTD + dropout(attn_BTD, rt.dropout, keys[1])
 
-        h_BTD = normalize(x_BTD, _norm(self.ln2_scale, self.ln2_bias, self.ln2_alpha), cfg)
+        h_BTD = self.norm_in(x_BTD, "ln2", cfg, rt)
         if self.moe:
             mlp_BTD, stats = self.experts(h_BTD, cfg, rt, capacity_factor)
         else:
@@ -548,12 +574,50 @@ def for_decoding(model: GPT) -> GPT:
     transpose = bool(model.rt.decode_weights) and all(b.lora is None for b in layers)
     if transpose:
         for block in layers:
+            _fold_norm_biases(block)
             _hold_out_in(block)
     out = nnx.merge(*nnx.split(model))  # a shallow twin: the other arrays are shared
     # nnx.data: with every block MoE, `blocks` was None (a static attribute) in the model
     out.blocks, out.moe_blocks = nnx.data(nnx.List(layers)), None
     out.rt = dataclasses.replace(out.rt, cpu_layouts=False, decode_layout=transpose)
     return out
+
+
+def _axes(p: nnx.Param) -> tuple | None:
+    """A layer's parameter's sharding names (a slice of the stack: without "layers"), or None."""
+    axes = p.get_metadata().get("out_sharding")
+    if axes is not None and len(axes) == p.ndim + 1:
+        axes = axes[1:]
+    return None if axes is None or len(axes) != p.ndim else tuple(axes)
+
+
+def _replace(block: Block, name: str, value: jax.Array, axes: tuple | None) -> None:
+    """Give the decoding layer's `name` a new array (its own Param: the trained one is untouched)."""
+    setattr(block, name, nnx.Param(value, sharding_names=axes, eager_sharding=False))
+
+
+def _spec(block: Block, name: str) -> str:
+    return SPECS["w_fc_gated" if name == "w_fc" and getattr(block, name).ndim == 3 else name]
+
+
+def _fold_norm_biases(block: Block) -> None:
+    """Fold each LayerNorm's bias into the bias of the products that read the norm (b + bias @ W,
+    in float32), and drop it: decoding applies the norm as `Normed` factors (`Block.norm_in`), so
+    norm(x) @ W + b == rstd * ((xc * scale) @ W) + (b + bias @ W). A MoE block's second norm feeds
+    the router and experts, and keeps its bias."""
+    for norm, names in (("ln1", ("w_qkv", "w_q", "w_kv")), ("ln2", () if block.moe else ("w_fc",))):
+        bias = getattr(block, f"{norm}_bias")
+        if bias is None or not names:
+            continue
+        for name in (n for n in names if getattr(block, n) is not None):
+            w, b = getattr(block, name), getattr(block, "b_" + name[2:])
+            folded = jnp.einsum(_spec(block, name), bias[...][None, None].astype(jnp.float32),
+                                w[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)[0, 0]
+            if b is not None:
+                folded = folded + b[...].astype(jnp.float32)
+            dtype = b.dtype if b is not None else bias.dtype
+            _replace(block, "b_" + name[2:], folded.astype(dtype), None if b is None else _axes(b))
+        setattr(block, f"{norm}_bias", None)
 
 
 def _hold_out_in(block: Block) -> None:
@@ -563,13 +627,9 @@ def _hold_out_in(block: Block) -> None:
         w = getattr(block, name)
         if w is None or (block.moe and name in ("w_fc", "w_proj")):
             continue
-        perm, _ = contract_last(SPECS["w_fc_gated" if name == "w_fc" and w.ndim == 3 else name])
-        axes = w.get_metadata().get("out_sharding")
-        if axes is not None and len(axes) == w.ndim + 1:  # a slice of the stack: drop "layers"
-            axes = axes[1:]
-        axes = None if axes is None or len(axes) != w.ndim else tuple(axes[i] for i in perm)
-        setattr(block, name, nnx.Param(jnp.transpose(w[...], perm), sharding_names=axes,
-                                       eager_sharding=False))
+        perm, _ = contract_last(_spec(block, name))
+        axes = _axes(w)
+        _replace(block, name, jnp.transpose(w[...], perm), None if axes is None else tuple(axes[i] for i in perm))
 
 
 # ----------------------------------------------------------------------------- sizes and FLOPs

@@ -227,3 +227,94 @@ def test_gpu_suite_flags_gpu_checks_skipped_on_a_gpu(device, flagged):
     res = suite.part_tests(FakeRunner(), {})
     assert res["skipped"] == 5 and ("error" in res) == flagged
     assert ("5 GPU checks skipped on a GPU" in suite.markdown({"started": "", "parts": {"tests": res}})) == flagged
+
+
+# An XLA module as the GPU compiler prints it, cut down: a loop whose body launches two fusions
+# and a cuBLAS call and holds a conditional (one kernel, or two), with a one-fusion condition.
+_HLO = """HloModule jit_decode, is_scheduled=true
+
+%fused_a (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+%then (t: f32[4]) -> f32[4] {
+  %t = f32[4]{0} parameter(0)
+  ROOT %f1 = f32[4]{0} fusion(%t), kind=kLoop, calls=%fused_a
+}
+
+%else (e: f32[4]) -> f32[4] {
+  %e = f32[4]{0} parameter(0)
+  %f2 = f32[4]{0} fusion(%e), kind=kLoop, calls=%fused_a
+  ROOT %f3 = f32[4]{0} fusion(%f2), kind=kInput, calls=%fused_a
+}
+
+%body (b: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %b = (s32[], f32[4]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%b), index=0
+  %x = f32[4]{0} get-tuple-element(%b), index=1
+  %g = f32[4]{0} custom-call(%x), custom_call_target="__cublas$gemm", backend_config={"k":"v"}
+  %y = f32[4]{0} fusion(%g), kind=kLoop, calls=%fused_a
+  %c = pred[] constant(true)
+  %z = f32[4]{0} conditional(%c, %y, %y), true_computation=%then, false_computation=%else
+  %w = f32[4]{0} fusion(%z), kind=kInput, calls=%fused_a
+  ROOT %r = (s32[], f32[4]{0}) tuple(%i, %w)
+}
+
+%cond (c: (s32[], f32[4])) -> pred[] {
+  %c = (s32[], f32[4]{0}) parameter(0)
+  ROOT %lt = pred[] fusion(%c), kind=kLoop, calls=%fused_a
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %copy = f32[4]{0} copy(%a)
+  %zero = s32[] constant(0)
+  %t0 = (s32[], f32[4]{0}) tuple(%zero, %copy)
+  %loop = (s32[], f32[4]{0}) while(%t0), condition=%cond, body=%body
+  ROOT %out = f32[4]{0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_kernel_count_reads_loops_and_branches():
+    """bench/kernel_count.py counts what each computation launches (a fusion is one kernel, its
+    own computation is not followed), follows while loops and conditionals, and names kinds."""
+    from bench import kernel_count as kc
+    comps = kc.computations(_HLO)
+    entry = kc.kernels(comps, "ENTRY")
+    assert entry.launched == [("copy", "copy")] and len(entry.loops) == 1
+    body, cond = entry.loops[0]
+    assert [k for _, k in body.launched] == ["__cublas$gemm", "kLoop", "kInput"]
+    assert kc.summary(body) == {"__cublas$gemm": 1, "kLoop": 1, "kInput": 1}
+    assert [[len(b.launched) for b in br] for br in body.branches] == [[1, 2]]
+    assert len(cond.launched) == 1
+
+
+def test_kernel_count_of_the_decode_loop_on_cpu(tmp_path):
+    """The tool compiles the sampler's decode loop from shapes alone (no CUDA plugin needed for
+    the host's CPU) and counts its body's kernels, by kind."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_count.py"), "--target=cpu",
+                        "--config=tiny", "--new_tokens=4", f"--json={tmp_path / 'out.json'}", "--list"],
+                       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["kernels_per_token"] > 0 and out["dtype"] == "float32" and out["target"] == "cpu"
+    assert sum(out["by_kind"].values()) == out["kernels_per_token"]
+    assert f"{out['kernels_per_token']} kernels per token" in r.stdout
+    assert len(r.stdout.strip().splitlines()) == 1 + out["kernels_per_token"]  # --list: one line each
+
+
+def test_kernel_count_refuses_a_gpu_target_without_a_compiler_for_it():
+    """Without JAX's CUDA plugin a GPU target is one line naming the fix, exit status 2; so is an
+    unknown preset."""
+    import importlib.util
+    if importlib.util.find_spec("jax_cuda12_plugin") or importlib.util.find_spec("jax_cuda13_plugin"):
+        pytest.skip("a CUDA plugin is installed here")
+    for flag, says in (("--target=h200", "CUDA plugin"), ("--config=nope", "--config=nope")):
+        r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_count.py"), flag], cwd=REPO,
+                           env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+        assert "Traceback" not in r.stderr

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import ci_first, tiny_gpt, tiny_model_config, tiny_runtime
+from helpers import ci_first, random_params, tiny_gpt, tiny_model_config, tiny_runtime
 from gpt import model as M
 from gpt.config import PRESETS, ModelConfig
 
@@ -248,9 +248,13 @@ FOR_DECODING = {"gpt2": {}, "llama": MODERN["llama"],
 def test_for_decoding_is_the_same_model(name, weights):
     """`for_decoding` (per-layer modules in layer order, no CPU layouts, [out, in] weights where
     `Runtime.decode_weights` says: "rows" on CPU, "dot" on GPU) gives the stacked model's logits,
-    with and without a cache, for one, a few and many rows, and leaves the original untouched."""
+    with and without a cache, for one, a few and many rows, and leaves the original untouched.
+    Every parameter is random, the norms' scales and biases too: decoding folds a LayerNorm's bias
+    into the next product's bias and applies its 1/std after the product (`Block.norm_in`)."""
     cfg = tiny_model_config(**FOR_DECODING[name])
-    model = tiny_gpt(cfg, decode_weights=weights)
+    graphdef = nnx.graphdef(M.abstract_model(cfg, runtime=tiny_runtime(cfg, decode_weights=weights)))
+    model = nnx.merge(graphdef, random_params(cfg, seed=2))
+    trained = jax.tree.map(np.asarray, nnx.state(model))
     shapes = jax.tree.map(jnp.shape, nnx.state(model))
     dec = M.for_decoding(model)
     assert isinstance(dec.blocks, nnx.List) and len(dec.blocks) == cfg.n_layer
@@ -262,6 +266,9 @@ def test_for_decoding_is_the_same_model(name, weights):
         assert dec.blocks[0].w_o.shape == (cfg.n_embd, cfg.n_head, cfg.head_dim)
         assert dec.blocks[0].w_o.get_metadata()["out_sharding"] == ("embed", "heads", None)
     assert jax.tree.map(jnp.shape, nnx.state(model)) == shapes  # the stacked model's kept
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(model), trained)
+    if dec.rt.decode_layout and cfg.norm == "layernorm":  # folded into b_qkv (and b_fc: dense MLPs)
+        assert dec.blocks[0].ln1_bias is None
     x = tokens(3, 12, cfg.vocab_size)
     call = nnx.jit(lambda m, x, cache: m(x, cache=cache))  # compiled: eager MoE ops are slow
     np.testing.assert_allclose(call(dec, x, None)[0], call(model, x, None)[0], rtol=1e-5, atol=1e-5)
@@ -274,3 +281,8 @@ def test_for_decoding_is_the_same_model(name, weights):
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cb.k_LBGKS, ca.k_LBGKS, rtol=1e-5, atol=1e-6)
     assert int(cb.index) == int(ca.index) == 12
+    # one row (batch 1, one token): the norms' 1/std applied after the products (Block.norm_in)
+    cache = M.init_cache(cfg, 1, 16, jnp.float32)
+    (la, ca), (lb, cb) = (call(m, x[:1, :8], cache) for m in (model, dec))
+    (la, ca), (lb, cb) = (call(m, x[:1, 8:9], c) for m, c in ((model, ca), (dec, cb)))
+    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)

@@ -82,13 +82,21 @@ def _centre(x32: jax.Array) -> tuple[jax.Array, jax.Array]:
     return d - d_mean, jnp.maximum(_row_mean(jnp.square(d)) - jnp.square(d_mean), 0.0)
 
 
-def _norm_fwd(x, scale, eps, centre):
+def norm_factors(x: jax.Array, eps: float, centre: bool) -> tuple[jax.Array, jax.Array]:
+    """LayerNorm (`centre`) or RMSNorm in two factors: the rows centred (or as they are), float32,
+    and their 1/std (1/rms) [..., 1]. The norm is xc * rstd * scale (+ bias).
+
+    Decoding multiplies xc * scale by the next weight and applies rstd to the product's rows
+    (gpt.model.Block.norm_in): on a GPU the 1/std, an rsqrt, kept XLA from fusing the normalisation
+    into the one-row product that reads it (it would be recomputed for every weight element), so it
+    was a kernel of its own; without it the product takes it in (kernel counts: BENCHMARKS.md)."""
     x32 = x.astype(jnp.float32)
-    if centre:
-        xc, var = _centre(x32)
-    else:
-        xc, var = x32, _row_mean(jnp.square(x32))
-    rstd = jax.lax.rsqrt(var + eps)
+    xc, var = _centre(x32) if centre else (x32, _row_mean(jnp.square(x32)))
+    return xc, jax.lax.rsqrt(var + eps)
+
+
+def _norm_fwd(x, scale, eps, centre):
+    xc, rstd = norm_factors(x, eps, centre)
     xhat = xc * rstd
     return xhat * scale, (xhat, rstd, scale, jnp.zeros((), x.dtype))
 

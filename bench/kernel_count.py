@@ -1,0 +1,207 @@
+"""Kernels per decoded token as XLA compiles the sampler's loop for a GPU, on a machine without one.
+
+    python bench/kernel_count.py [--target=h200|h100|cpu] [--config=gpt2] [--batch=1] [--top_k=200]
+                                 [--new_tokens=64] [--list] [--json=PATH]
+
+Batch-1 decoding on a GPU is a chain of small kernels, each 2-3 us on an H200 whatever little it
+does, so the number of kernels per token is what a change to the decoding step has to lower (the
+profile and the timings are in BENCHMARKS.md). XLA compiles for a GPU that is described, not
+present (`jax.experimental.topologies` with a target config: ahead-of-time compilation): this
+needs JAX's CUDA plugin in a virtual environment of its own (`pip install -r requirements.txt
+"jax-cuda12-plugin[with-cuda]==<the jax version>"`, about 6 GB in all), and no driver and no device.
+--target=cpu compiles for this host instead, with no plugin (what the tests run).
+
+The count is of the compiled decode loop's body (one token): every fusion, library call (cuBLAS,
+cuDNN, sort) and copy it launches; the loop's condition and the kernels before the loop are
+counted apart. Without a device XLA neither autotunes nor sizes CUB's scratch, so it takes its
+fallback sort for top-k (one kernel either way) and default GEMM configurations: the kernels'
+speed may differ from a compilation on the GPU, not their number (GPT-2 at batch 1, at the commit
+before this tool: 173 here, 172 in the H200's profile of the same code).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+# A plugin with no driver behind it fails its start-up check; the CPU stays the default backend
+# (nothing runs on the described GPU, it is only compiled for).
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from gpt.errors import ArgParser, UserError, run_main  # noqa: E402
+
+# The GPUs as XLA describes them (its gpu_specs); only the fusion and layout decisions read these.
+GPUS = {
+    "h100": dict(core_count=132, memory_bandwidth=3352320000000, l2_cache_size=52428800,
+                 device_memory_size=84929347584, clock_rate_ghz=1.98, name="NVIDIA H100 80GB HBM3"),
+    "h200": dict(core_count=132, memory_bandwidth=4800000000000, l2_cache_size=52428800,
+                 device_memory_size=150754820096, clock_rate_ghz=1.98, name="NVIDIA H200"),
+}
+NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+               "add-dependency", "opt-barrier", "partition-id", "replica-id", "call", "async-done",
+               "copy-done", "get-dimension-size", "while", "conditional"}
+
+
+def target_config(gpu: str) -> str:
+    """XLA's GpuTargetConfig (text proto) of a Hopper GPU (compute capability 9.0)."""
+    g = GPUS[gpu]
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: {g['core_count']}
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {g['memory_bandwidth']} l2_cache_size: {g['l2_cache_size']}
+  clock_rate_ghz: {g['clock_rate_ghz']} device_memory_size: {g['device_memory_size']}
+  shared_memory_per_block_optin: 232448 cuda_compute_capability {{ major: 9 }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 9 }}
+device_description_str: "{g['name']}"
+"""
+
+
+def device_sharding(target: str):
+    """Where the program's arguments live: the described GPU, or this host's first CPU."""
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+    if target == "cpu":
+        return jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                            target_config=target_config(target))
+    except (NotImplementedError, RuntimeError) as e:
+        raise UserError(f"no compiler for a GPU here ({str(e).splitlines()[0]}); install JAX's CUDA "
+                        f"plugin in this environment (this file's docstring says how), or use --target=cpu")
+    return NamedSharding(topologies.make_mesh(topo, (1,), ("d",)), PartitionSpec())
+
+
+def decode_program(args, sharding) -> tuple[str, str]:
+    """The optimised HLO of `bench/sample.py`'s decode loop (the sampler's `for_decoding` model,
+    the weights in the compute dtype, top-k sampling) compiled for `sharding`'s device, from shapes
+    alone: no weights are made. Returns it and the compute dtype's name."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from bench.sample import hold_in, preset_model
+    from gpt.config import ComputeConfig, validate_compute
+    from gpt.model import GPT, for_decoding
+    from gpt.runtime import decoding_dtype, resolve
+    from gpt.sampling import SamplingSettings, decode, prefill
+    cfg = preset_model(args.config)
+    backend = "cpu" if args.target == "cpu" else "gpu"
+    rt = resolve(cfg, validate_compute(ComputeConfig(dtype=decoding_dtype(args.dtype, backend))), backend)
+    gd, params = nnx.split(nnx.eval_shape(lambda: for_decoding(GPT(cfg, rngs=nnx.Rngs(0), runtime=rt))))
+    params = jax.eval_shape(lambda p: hold_in(p, rt.dtype), params)
+    on = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+    N, B = args.new_tokens, args.batch
+    s = SamplingSettings(max_new_tokens=N, temperature=1.0, top_k=args.top_k)
+    prompt, start = jax.ShapeDtypeStruct((B, 16), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32)
+    state = jax.eval_shape(lambda p, x, st, k: prefill(nnx.merge(gd, p), x, st, k, N),
+                           params, prompt, start, jax.random.key(0))
+    step = jax.jit(lambda p, st: decode(nnx.merge(gd, p), st, N, s).tokens_BN)
+    return step.lower(on(params), on(state)).compile().as_text(), rt.dtype.name
+
+
+def computations(hlo: str) -> dict[str, list[str]]:
+    """{computation name: its instruction lines} of an HLO module's text ("ENTRY": the entry)."""
+    comps, body = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            body = comps.setdefault("ENTRY" if head.group(1) else head.group(2), [])
+        elif line.startswith("}"):
+            body = None
+        elif body is not None and " = " in line:
+            body.append(line.strip())
+    return comps
+
+
+@dataclasses.dataclass
+class Kernels:
+    """The kernels one computation launches: (name, kind) of each, and its loops and branches."""
+    launched: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    loops: list[tuple["Kernels", "Kernels"]] = dataclasses.field(default_factory=list)  # (body, condition)
+    branches: list[list["Kernels"]] = dataclasses.field(default_factory=list)
+
+
+def kernels(comps: dict[str, list[str]], name: str) -> Kernels:
+    """What computation `name` launches, its while loops' bodies and conditions and its
+    conditionals' branches followed (a fusion's own computation is one kernel, not followed)."""
+    out = Kernels()
+    for line in comps[name]:
+        op = re.search(r"\b([a-z][\w\-]*)\(", line.split(" = ", 1)[1]).group(1)
+        if op == "while":
+            body, cond = (re.search(rf"{k}=%?([\w.\-]+)", line).group(1) for k in ("body", "condition"))
+            out.loops.append((kernels(comps, body), kernels(comps, cond)))
+        elif op == "conditional":
+            names = re.findall(r"(?:branch_computations=\{|true_computation=|false_computation=|, )%([\w.\-]+)",
+                               line.split("conditional(", 1)[1].split(")", 1)[1])
+            out.branches.append([kernels(comps, n) for n in names])
+        elif op not in NOT_KERNELS:
+            kind = re.search(r'custom_call_target="([^"]+)"|kind=(\w+)', line)
+            out.launched.append((line.split(" ")[0].lstrip("%"),
+                                 next(g for g in kind.groups() if g) if kind else op))
+    return out
+
+
+def summary(k: Kernels) -> dict:
+    """Counts by kind (a fusion's kind, a custom call's target, else the op)."""
+    return dict(collections.Counter(kind for _, kind in k.launched).most_common())
+
+
+def report(hlo: str, dtype: str, args) -> dict:
+    comps = computations(hlo)
+    entry = kernels(comps, "ENTRY")
+    if not entry.loops:
+        raise UserError("the compiled program has no decode loop (--new_tokens must be at least 2)")
+    body, cond = max(entry.loops, key=lambda lc: len(lc[0].launched))
+    row = {"target": args.target, "config": args.config, "batch": args.batch, "top_k": args.top_k,
+           "dtype": dtype, "kernels_per_token": len(body.launched), "by_kind": summary(body),
+           "loop_condition": len(cond.launched), "before_loop": len(entry.launched),
+           "branches": [[len(b.launched) for b in br] for br in body.branches]}
+    print(f"{args.config} decode, batch {args.batch}, top-k {args.top_k}, {dtype}, for "
+          f"{args.target}: {row['kernels_per_token']} kernels per token {row['by_kind']}; the loop's "
+          f"condition {row['loop_condition']}, before the loop {row['before_loop']}"
+          + (f", conditionals' branches {row['branches']}" if row["branches"] else ""))
+    if args.list:
+        for name, kind in body.launched:
+            print(f"   {kind:<12} {name}")
+    return row
+
+
+def main(argv: list[str]) -> int:
+    ap = ArgParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="h200", choices=(*GPUS, "cpu"))
+    ap.add_argument("--config", default="gpt2")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--top_k", type=int, default=200)
+    ap.add_argument("--new_tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="auto: bfloat16 on a GPU, float32 on a CPU (as sample.py decodes)")
+    ap.add_argument("--list", action="store_true", help="every kernel of the loop's body, in order")
+    ap.add_argument("--json", default="", help="also write the counts to this file")
+    args = ap.parse_args(argv)
+    from bench.sample import PRESETS
+    if args.config not in PRESETS:
+        raise UserError(f"--config={args.config}: one of {', '.join(PRESETS)}")
+    if args.batch < 1 or args.top_k < 0:
+        raise UserError("--batch must be at least 1 and --top_k at least 0")
+    row = report(*decode_program(args, device_sharding(args.target)), args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
