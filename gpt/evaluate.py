@@ -33,7 +33,7 @@ def score_tokens(model, ids: np.ndarray, batch_size: int = 8) -> tuple[float, in
     @jax.jit
     def window_loss(params, x_BT, y_BT):
         logits, _ = nnx.merge(graphdef, params)(x_BT)
-        return cross_entropy(logits, y_BT) * x_BT.size
+        return cross_entropy(logits, y_BT, model.rt.lse_one_pass) * x_BT.size
 
     total, count = 0.0, 0
     windows = [ids[i * T:i * T + T + 1] for i in range(n_windows)]

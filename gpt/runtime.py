@@ -54,6 +54,9 @@ class Runtime:
     # gpt.ops.dense.decode_dense); "" keeps the trained [in, out] layout (TPU: not measured).
     decode_weights: str = ""
     decode_layout: bool = False  # the dense weights are held [out, in] now (for_decoding sets it)
+    # The cross-entropy's logsumexp as one reduction over the logits (gpt.ops.cross_entropy): one
+    # read of the [B, T, V] logits on a GPU/TPU; two passes on CPU, where one was slower
+    lse_one_pass: bool = False
 
     def __post_init__(self) -> None:
         if self.decode_weights not in DECODE_WEIGHTS:  # a typo would transpose, then multiply wrongly
@@ -268,5 +271,6 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  cpu_layouts=backend == "cpu", dropout=c.dropout, remat=c.remat,
                  scan_layers=c.scan_layers,
                  decode_weights={"cpu": "rows", "gpu": "dot"}.get(backend, ""),
+                 lse_one_pass=backend != "cpu",
                  matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype))
     return dataclasses.replace(rt, **override)

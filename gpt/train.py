@@ -86,7 +86,7 @@ def loss_fn(graphdef, params, x_BT, y_BT, dropout_key=None, frozen=None) -> jax.
     `frozen`: parameters that are not trained (a LoRA run's base), merged in beside `params`."""
     model = nnx.merge(graphdef, params, frozen) if frozen else nnx.merge(graphdef, params)
     logits_BTV, _ = model(x_BT, dropout_key=dropout_key)
-    return cross_entropy(logits_BTV, y_BT)
+    return cross_entropy(logits_BTV, y_BT, model.rt.lse_one_pass)
 
 
 def objective(graphdef, params, x_BT, y_BT, dropout_key=None, frozen=None,
@@ -97,7 +97,7 @@ def objective(graphdef, params, x_BT, y_BT, dropout_key=None, frozen=None,
     moe = moe or moe_lib.MoETraining()
     model = nnx.merge(graphdef, params, frozen) if frozen else nnx.merge(graphdef, params)
     logits_BTV, _, stats = model.forward(x_BT, dropout_key=dropout_key, capacity_factor=moe.capacity_factor)
-    ce = cross_entropy(logits_BTV, y_BT)
+    ce = cross_entropy(logits_BTV, y_BT, model.rt.lse_one_pass)
     if stats is None:
         return ce, (ce, None)
     aux = moe.aux_loss_coef * jnp.mean(stats.aux_loss) + moe.z_loss_coef * jnp.mean(stats.z_loss)
