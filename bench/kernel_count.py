@@ -12,11 +12,13 @@ needs JAX's CUDA plugin in a virtual environment of its own (`pip install -r req
 --target=cpu compiles for this host instead, with no plugin (what the tests run).
 
 The count is of the compiled decode loop's body (one token): every fusion, library call (cuBLAS,
-cuDNN, sort) and copy it launches; the loop's condition and the kernels before the loop are
-counted apart. Without a device XLA neither autotunes nor sizes CUB's scratch, so it takes its
-fallback sort for top-k (one kernel either way) and default GEMM configurations: the kernels'
-speed may differ from a compilation on the GPU, not their number (GPT-2 at batch 1, at the commit
-before this tool: 173 here, 172 in the H200's profile of the same code).
+cuDNN, sort) and copy it launches, with what its calls launch and its inner loops times their trip
+counts (XLA:CPU draws random bits in small loops); the loop's condition and the kernels outside the
+loop are counted apart. Without a device XLA neither autotunes nor sizes CUB's scratch, so it takes
+its fallback sort for top-k and default GEMM configurations (it might pick another GEMM, or split
+one): the kernels' speed may differ from a compilation on the GPU, and their number about as much
+as seen so far (GPT-2 at batch 1, at the commit before this tool: 173 here, 172 in the H200's
+profile of the same code).
 """
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ GPUS = {
                  device_memory_size=150754820096, clock_rate_ghz=1.98, name="NVIDIA H200"),
 }
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-               "add-dependency", "opt-barrier", "partition-id", "replica-id", "call", "async-done",
-               "copy-done", "get-dimension-size", "while", "conditional"}
+               "add-dependency", "opt-barrier", "partition-id", "replica-id", "async-done",
+               "copy-done", "get-dimension-size"}
 
 
 def target_config(gpu: str) -> str:
@@ -129,51 +131,96 @@ def computations(hlo: str) -> dict[str, list[str]]:
 
 @dataclasses.dataclass
 class Kernels:
-    """The kernels one computation launches: (name, kind) of each, and its loops and branches."""
+    """What one run of a computation launches: its own kernels (name, kind) in order, those of
+    the computations it calls inlined; its while loops (body, condition, trip count or None); its
+    conditionals' branches."""
     launched: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-    loops: list[tuple["Kernels", "Kernels"]] = dataclasses.field(default_factory=list)  # (body, condition)
+    loops: list[tuple["Kernels", "Kernels", int | None]] = dataclasses.field(default_factory=list)
     branches: list[list["Kernels"]] = dataclasses.field(default_factory=list)
+
+    def count(self) -> tuple[int, int, int]:
+        """(fewest, most) kernels one run launches, its loops run their known trip counts (the
+        condition once more) and one branch of each conditional; and the loops of unknown trip
+        count, left out of both."""
+        lo = hi = len(self.launched)
+        unknown = 0
+        for body, cond, n in self.loops:
+            (b_lo, b_hi, b_unk), (c_lo, c_hi, c_unk) = body.count(), cond.count()
+            if n is None:
+                unknown += 1
+                continue
+            lo, hi = lo + n * b_lo + (n + 1) * c_lo, hi + n * b_hi + (n + 1) * c_hi
+            unknown += b_unk + c_unk
+        for branches in self.branches:
+            counts = [b.count() for b in branches]
+            lo, hi = lo + min(c[0] for c in counts), hi + max(c[1] for c in counts)
+            unknown += max(c[2] for c in counts)
+        return lo, hi, unknown
+
+
+def _called(line: str, key: str) -> str:
+    return re.search(rf"{key}=%?([\w.\-]+)", line).group(1)
+
+
+def _branches(line: str) -> list[str]:
+    """A conditional's branch computations, as printed for an index or for a predicate."""
+    listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+    if listed:
+        return [n.strip().lstrip("%") for n in listed.group(1).split(",")]
+    return [_called(line, "true_computation"), _called(line, "false_computation")]
 
 
 def kernels(comps: dict[str, list[str]], name: str) -> Kernels:
-    """What computation `name` launches, its while loops' bodies and conditions and its
-    conditionals' branches followed (a fusion's own computation is one kernel, not followed)."""
+    """What computation `name` launches (see Kernels). A fusion, a library call or a sort is one
+    kernel (the computation it names is not followed); a `call` (XLA:CPU's small calls, XLA:GPU's
+    command buffers) or an async start launches what its computation does."""
     out = Kernels()
     for line in comps[name]:
-        op = re.search(r"\b([a-z][\w\-]*)\(", line.split(" = ", 1)[1]).group(1)
+        head, rest = line.split(" = ", 1)
+        op = re.search(r"\b([a-z][\w\-]*)\(", rest).group(1)
         if op == "while":
-            body, cond = (re.search(rf"{k}=%?([\w.\-]+)", line).group(1) for k in ("body", "condition"))
-            out.loops.append((kernels(comps, body), kernels(comps, cond)))
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+            body, cond = (kernels(comps, _called(line, key)) for key in ("body", "condition"))
+            out.loops.append((body, cond, int(trip.group(1)) if trip else None))
         elif op == "conditional":
-            names = re.findall(r"(?:branch_computations=\{|true_computation=|false_computation=|, )%([\w.\-]+)",
-                               line.split("conditional(", 1)[1].split(")", 1)[1])
-            out.branches.append([kernels(comps, n) for n in names])
+            out.branches.append([kernels(comps, n) for n in _branches(line)])
+        elif op in ("call", "async-start"):
+            inner = kernels(comps, _called(line, "to_apply" if op == "call" else "calls"))
+            out.launched += inner.launched
+            out.loops += inner.loops
+            out.branches += inner.branches
         elif op not in NOT_KERNELS:
             kind = re.search(r'custom_call_target="([^"]+)"|kind=(\w+)', line)
-            out.launched.append((line.split(" ")[0].lstrip("%"),
+            out.launched.append((head.replace("ROOT ", "").strip().lstrip("%"),
                                  next(g for g in kind.groups() if g) if kind else op))
     return out
 
 
 def summary(k: Kernels) -> dict:
-    """Counts by kind (a fusion's kind, a custom call's target, else the op)."""
+    """Counts of a computation's own kernels by kind (a fusion's kind, a custom call's target,
+    else the op)."""
     return dict(collections.Counter(kind for _, kind in k.launched).most_common())
 
 
 def report(hlo: str, dtype: str, args) -> dict:
-    comps = computations(hlo)
-    entry = kernels(comps, "ENTRY")
+    """Print and return the decode loop's counts: kernels per token (the loop body's, its inner
+    loops and branches counted in), the loop's condition and what runs before the loop."""
+    entry = kernels(computations(hlo), "ENTRY")
     if not entry.loops:
         raise UserError("the compiled program has no decode loop (--new_tokens must be at least 2)")
-    body, cond = max(entry.loops, key=lambda lc: len(lc[0].launched))
+    decode = max(entry.loops, key=lambda loop: len(loop[0].launched))
+    body, cond, _ = decode
+    lo, hi, unknown = body.count()
+    outside = Kernels(entry.launched, [loop for loop in entry.loops if loop is not decode], entry.branches)
     row = {"target": args.target, "config": args.config, "batch": args.batch, "top_k": args.top_k,
-           "dtype": dtype, "kernels_per_token": len(body.launched), "by_kind": summary(body),
-           "loop_condition": len(cond.launched), "before_loop": len(entry.launched),
-           "branches": [[len(b.launched) for b in br] for br in body.branches]}
-    print(f"{args.config} decode, batch {args.batch}, top-k {args.top_k}, {dtype}, for "
-          f"{args.target}: {row['kernels_per_token']} kernels per token {row['by_kind']}; the loop's "
-          f"condition {row['loop_condition']}, before the loop {row['before_loop']}"
-          + (f", conditionals' branches {row['branches']}" if row["branches"] else ""))
+           "dtype": dtype, "kernels_per_token": lo, "kernels_per_token_max": hi,
+           "inner_loops_of_unknown_length": unknown, "by_kind": summary(body),
+           "loop_condition": cond.count()[1], "outside_loop": outside.count()[1]}
+    per_token = f"{lo}" if lo == hi else f"{lo}-{hi} (conditionals)"
+    print(f"{args.config} decode, batch {args.batch}, top-k {args.top_k}, {dtype}, for {args.target}: "
+          f"{per_token} kernels per token (its own, by kind: {row['by_kind']})"
+          + (f", plus {unknown} inner loops of unknown length" if unknown else "")
+          + f"; the loop's condition {row['loop_condition']}, outside the loop {row['outside_loop']}")
     if args.list:
         for name, kind in body.launched:
             print(f"   {kind:<12} {name}")

@@ -81,7 +81,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype,
 class Normed(NamedTuple):
     """A LayerNorm/RMSNorm output with its 1/std not applied yet (decoding: `Block.norm_in`): the
     norm is z * rstd, plus a bias that `for_decoding` folded into the next product's bias."""
-    z_BTD: jax.Array  # centred rows times the norm's scale, float32
+    z_BTD: jax.Array  # the rows centred (RMSNorm: as they are) times the norm's scale, float32
     rstd_BT1: jax.Array
 
 
@@ -301,7 +301,7 @@ class Block(nnx.Module):
         if lora is not None:  # drawn after the base weights, which stay those of the plain model
             lora_lib.add_adapters(self, lora, rngs)
 
-    def norm_in(self, x_BTD, which: str, cfg: ModelConfig, rt: Runtime):
+    def norm_in(self, x_BTD, which: str, cfg: ModelConfig, rt: Runtime) -> "jax.Array | Normed":
         """The block's norm `which` ("ln1", "ln2") of x. Decoding one row (`rt.decode_layout`, B =
         T = 1) takes a LayerNorm/RMSNorm without a bias (`for_decoding` folded it into the next
         product's) as `Normed` factors, and `linear` applies the 1/std after the product
@@ -316,10 +316,11 @@ class Block(nnx.Module):
             return Normed(xc_BTD * scale[...], rstd_BT1)
         return normalize(x_BTD, _norm(scale, bias, alpha), cfg)
 
-    def linear(self, name: str, x, spec: str, mm, key=None):
+    def linear(self, name: str, x: "jax.Array | Normed", spec: str, mm, key=None):
         """x times the weight `name`, plus its LoRA update if it has an adapter (`key`: the
         adapters' dropout, None when not training). A `Normed` x: its 1/std scales the product's rows."""
         if isinstance(x, Normed):  # decoding, which has no adapters (for_decoding)
+            assert self.lora is None, "Normed rows are for for_decoding's layers, which have no adapters"
             y = mm(x.z_BTD, getattr(self, name)[...], spec)
             rstd = x.rstd_BT1.reshape(*x.rstd_BT1.shape[:2], *(1,) * (y.ndim - 2))
             return (y * rstd).astype(y.dtype)
@@ -597,26 +598,26 @@ def _replace(block: Block, name: str, value: jax.Array, axes: tuple | None) -> N
 
 
 def _spec(block: Block, name: str) -> str:
+    """The einsum spec of a block's weight `name` (SwiGLU's w_fc has its own)."""
     return SPECS["w_fc_gated" if name == "w_fc" and getattr(block, name).ndim == 3 else name]
 
 
 def _fold_norm_biases(block: Block) -> None:
-    """Fold each LayerNorm's bias into the bias of the products that read the norm (b + bias @ W,
-    in float32), and drop it: decoding applies the norm as `Normed` factors (`Block.norm_in`), so
-    norm(x) @ W + b == rstd * ((xc * scale) @ W) + (b + bias @ W). A MoE block's second norm feeds
-    the router and experts, and keeps its bias."""
+    """Fold each norm's bias into the bias of the products that read the norm (b + bias @ W, in
+    float32), and drop it: decoding applies a LayerNorm as `Normed` factors (`Block.norm_in`), so
+    norm(x) @ W + b == rstd * ((xc * scale) @ W) + (b + bias @ W). DyT's bias, added after its
+    tanh, folds the same way. A MoE block's second norm feeds the router and experts, and keeps
+    its bias."""
     for norm, names in (("ln1", ("w_qkv", "w_q", "w_kv")), ("ln2", () if block.moe else ("w_fc",))):
         bias = getattr(block, f"{norm}_bias")
         if bias is None or not names:
             continue
         for name in (n for n in names if getattr(block, n) is not None):
             w, b = getattr(block, name), getattr(block, "b_" + name[2:])
+            assert b is not None, "a norm's bias comes with cfg.bias, which gives every product one"
             folded = jnp.einsum(_spec(block, name), bias[...][None, None].astype(jnp.float32),
                                 w[...].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)[0, 0]
-            if b is not None:
-                folded = folded + b[...].astype(jnp.float32)
-            dtype = b.dtype if b is not None else bias.dtype
-            _replace(block, "b_" + name[2:], folded.astype(dtype), None if b is None else _axes(b))
+            _replace(block, "b_" + name[2:], (folded + b[...]).astype(b.dtype), _axes(b))
         setattr(block, f"{norm}_bias", None)
 
 
@@ -629,7 +630,8 @@ def _hold_out_in(block: Block) -> None:
             continue
         perm, _ = contract_last(_spec(block, name))
         axes = _axes(w)
-        _replace(block, name, jnp.transpose(w[...], perm), None if axes is None else tuple(axes[i] for i in perm))
+        axes = None if axes is None else tuple(axes[i] for i in perm)
+        _replace(block, name, jnp.transpose(w[...], perm), axes)
 
 
 # ----------------------------------------------------------------------------- sizes and FLOPs

@@ -237,6 +237,8 @@ def test_modern_params_flops_and_bad_shapes():
 
 
 FOR_DECODING = {"gpt2": {}, "llama": MODERN["llama"],
+                "gqa-swiglu": dict(n_head=4, n_kv_head=2, mlp="swiglu"),  # LayerNorm biases, [2, F] b_fc
+                "dyt": dict(norm="dyt"),
                 "moe": dict(n_layer=4, n_expert=4, n_expert_per_token=2, moe_every=2),
                 "moe-every-layer": dict(n_expert=4, n_expert_per_token=2)}  # no dense blocks at all
 
@@ -253,7 +255,8 @@ def test_for_decoding_is_the_same_model(name, weights):
     into the next product's bias and applies its 1/std after the product (`Block.norm_in`)."""
     cfg = tiny_model_config(**FOR_DECODING[name])
     graphdef = nnx.graphdef(M.abstract_model(cfg, runtime=tiny_runtime(cfg, decode_weights=weights)))
-    model = nnx.merge(graphdef, random_params(cfg, seed=2))
+    norm_biases = {f"{n}_bias": 0.5 for n in ("ln1", "ln2", "lnf")}  # well clear of the tolerance
+    model = nnx.merge(graphdef, random_params(cfg, seed=2, std=norm_biases))
     trained = jax.tree.map(np.asarray, nnx.state(model))
     shapes = jax.tree.map(jnp.shape, nnx.state(model))
     dec = M.for_decoding(model)
@@ -267,8 +270,10 @@ def test_for_decoding_is_the_same_model(name, weights):
         assert dec.blocks[0].w_o.get_metadata()["out_sharding"] == ("embed", "heads", None)
     assert jax.tree.map(jnp.shape, nnx.state(model)) == shapes  # the stacked model's kept
     jax.tree.map(np.testing.assert_array_equal, nnx.state(model), trained)
-    if dec.rt.decode_layout and cfg.norm == "layernorm":  # folded into b_qkv (and b_fc: dense MLPs)
+    if dec.rt.decode_layout and cfg.bias:  # folded into the products' biases (b_fc: dense MLPs)
         assert dec.blocks[0].ln1_bias is None
+        if name == "gpt2":
+            assert not np.allclose(dec.blocks[0].b_qkv[...], model.blocks.b_qkv[...][0])
     x = tokens(3, 12, cfg.vocab_size)
     call = nnx.jit(lambda m, x, cache: m(x, cache=cache))  # compiled: eager MoE ops are slow
     np.testing.assert_allclose(call(dec, x, None)[0], call(model, x, None)[0], rtol=1e-5, atol=1e-5)
