@@ -202,6 +202,16 @@ def _write_layer(held: list, layer: int, k_BTGK, v_BTGK):
     return k_LBGKS[layer], v_LBGSK[layer]
 
 
+def mlp_activation(fc_BTF: jax.Array, b_F: jax.Array | None, cfg: ModelConfig) -> jax.Array:
+    """The MLP's activation of its first product plus bias: GELU, or SwiGLU's silu(gate) * up
+    (fc [B, T, 2, F]). The bias is added in float32 and rounded back (`_add_bias`)."""
+    if b_F is not None:
+        fc_BTF = (fc_BTF.astype(jnp.float32) + b_F).astype(fc_BTF.dtype)
+    if cfg.mlp == "swiglu":
+        return jax.nn.silu(fc_BTF[:, :, 0]) * fc_BTF[:, :, 1]
+    return jax.nn.gelu(fc_BTF, approximate=cfg.activation == "gelu_tanh")
+
+
 def _value(p: nnx.Param | None):
     return None if p is None else p[...]
 
@@ -349,12 +359,12 @@ class Block(nnx.Module):
         return q_BTHK, k_BTGK, v_BTGK
 
     def mlp(self, h_BTD, cfg: ModelConfig, mm, key=None):
-        if cfg.mlp == "swiglu":
-            gu_BT2F = _add_bias(self.linear("w_fc", h_BTD, SPECS["w_fc_gated"], mm, key), self.b_fc)
-            h_BTF = jax.nn.silu(gu_BT2F[:, :, 0]) * gu_BT2F[:, :, 1]
-        else:
-            fc_BTF = _add_bias(self.linear("w_fc", h_BTD, SPECS["w_fc"], mm, key), self.b_fc)
-            h_BTF = jax.nn.gelu(fc_BTF, approximate=cfg.activation == "gelu_tanh")
+        """proj(activation(fc(h) + b_fc)) + b_proj. The activation is recomputed in the backward
+        pass from fc's product, which is kept anyway, instead of keeping its intermediates (GELU's
+        tanh, SiLU's sigmoid): each of those is a [B, T, F] array written in the forward pass and
+        read in the backward (on a GPU, GPT-2 at batch 64: 0.8 GB a layer; BENCHMARKS.md)."""
+        fc_BTF = self.linear("w_fc", h_BTD, SPECS["w_fc_gated" if cfg.mlp == "swiglu" else "w_fc"], mm, key)
+        h_BTF = jax.checkpoint(functools.partial(mlp_activation, cfg=cfg))(fc_BTF, _value(self.b_fc))
         return _add_bias(self.linear("w_proj", h_BTF, SPECS["w_proj"], mm, key), self.b_proj)
 
     def experts(self, h_BTD, cfg: ModelConfig, rt: Runtime, capacity_factor: float
