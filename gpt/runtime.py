@@ -55,7 +55,7 @@ class Runtime:
     decode_weights: str = ""
     decode_layout: bool = False  # the dense weights are held [out, in] now (for_decoding sets it)
     # The cross-entropy's logsumexp as one reduction over the logits (gpt.ops.cross_entropy): one
-    # read of the [B, T, V] logits on a GPU/TPU; two passes on CPU, where one was slower
+    # read of the [B, T, V] logits on a GPU; two passes on CPU, where one was slower (TPU: not measured)
     lse_one_pass: bool = False
 
     def __post_init__(self) -> None:
@@ -271,6 +271,6 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  cpu_layouts=backend == "cpu", dropout=c.dropout, remat=c.remat,
                  scan_layers=c.scan_layers,
                  decode_weights={"cpu": "rows", "gpu": "dot"}.get(backend, ""),
-                 lse_one_pass=backend != "cpu",
+                 lse_one_pass=backend == "gpu",
                  matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype))
     return dataclasses.replace(rt, **override)

@@ -95,7 +95,7 @@ def test_training_loss_takes_it():
 
 def test_training_takes_the_runtimes_logsumexp():
     """The training and evaluation losses pass the Runtime's choice on: one reduction (a variadic
-    reduce) on a GPU/TPU, a max and a sum on CPU."""
+    reduce) on a GPU, a max and a sum on CPU."""
     from flax import nnx
 
     from helpers import tiny_model_config, tiny_runtime
