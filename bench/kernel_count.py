@@ -2,6 +2,7 @@
 
     python bench/kernel_count.py [--target=h200|h100|cpu] [--config=gpt2] [--batch=1] [--top_k=200]
                                  [--new_tokens=64] [--list] [--json=PATH]
+    python bench/kernel_count.py --program=train [--target=...] [--list] [train.py's settings]
 
 Batch-1 decoding on a GPU is a chain of small kernels, each 2-3 us on an H200 whatever little it
 does, so the number of kernels per token is what a change to the decoding step has to lower (the
@@ -19,6 +20,11 @@ its fallback sort for top-k and default GEMM configurations (it might pick anoth
 one): the kernels' speed may differ from a compilation on the GPU, and their number about as much
 as seen so far (GPT-2 at batch 1, at the commit before this tool: 173 here, 172 in the H200's
 profile of the same code).
+
+--program=train compiles `bench/train.py`'s training step instead and adds up the bytes each
+kernel reads and writes (its operands and result, each once: more than a gather or an in-place
+update moves) by group: the matmuls, attention, and the rest, the fusions that a GPU runs at
+memory bandwidth (GPT-2 at batch 64, H200: 43 ms of them in the profile, about 150 GB here).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -115,6 +122,33 @@ def decode_program(args, sharding) -> tuple[str, str]:
     return step.lower(on(params), on(state)).compile().as_text(), rt.dtype.name
 
 
+def train_program(args, rest: list[str], sharding) -> tuple[str, str]:
+    """The optimised HLO of `bench/train.py`'s training step (train.py's settings in `rest`),
+    compiled for `sharding`'s device from shapes alone. Returns it and the compute dtype's name."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from bench.sample import CHAR_VOCAB
+    from gpt.config import build_train
+    from gpt.model import GPT, abstract_model
+    from gpt.runtime import resolve
+    from gpt.train import make_optimizer, make_train_step, moe_training
+    m, c, t, explicit = build_train(rest)
+    if "vocab_size" not in explicit and t.tokenizer == "char":  # as bench/train.py
+        m = dataclasses.replace(m, vocab_size=CHAR_VOCAB)
+    rt = resolve(m, c, "cpu" if args.target == "cpu" else "gpu")
+    graphdef = nnx.graphdef(abstract_model(m, t.seed, rt))
+    params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed), runtime=rt))))
+    tx = make_optimizer(t)
+    on = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+    x = jax.ShapeDtypeStruct((t.gradient_accumulation_steps, t.batch_size, m.block_size), jnp.int32)
+    step = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=rt.dropout > 0, moe=moe_training(t)),
+                   donate_argnums=(0, 1))
+    args_ = (params, jax.eval_shape(tx.init, params), jax.ShapeDtypeStruct((), jnp.int32), x, x)
+    return step.lower(*on(args_)).compile().as_text(), rt.dtype.name
+
+
 def computations(hlo: str) -> dict[str, list[str]]:
     """{computation name: its instruction lines} of an HLO module's text ("ENTRY": the entry)."""
     comps, body = {}, None
@@ -137,6 +171,18 @@ class Kernels:
     launched: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     loops: list[tuple["Kernels", "Kernels", int | None]] = dataclasses.field(default_factory=list)
     branches: list[list["Kernels"]] = dataclasses.field(default_factory=list)
+    moved: list[int] = dataclasses.field(default_factory=list)  # bytes of each launched kernel
+
+    def flat(self) -> list[tuple[str, str, int]]:
+        """Every kernel one run launches, (name, kind, bytes): loops unrolled by their known trip
+        counts (the condition once more; loops of unknown length left out), a conditional's
+        largest branch."""
+        out = [(name, kind, size) for (name, kind), size in zip(self.launched, self.moved)]
+        for body, cond, n in self.loops:
+            out += (body.flat() * n + cond.flat() * (n + 1)) if n is not None else []
+        for branches in self.branches:
+            out += max((b.flat() for b in branches), key=len)
+        return out
 
     def count(self) -> tuple[int, int, int]:
         """(fewest, most) kernels one run launches, its loops run their known trip counts (the
@@ -170,11 +216,31 @@ def _branches(line: str) -> list[str]:
     return [_called(line, "true_computation"), _called(line, "false_computation")]
 
 
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+             "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of the arrays an HLO shape names (a tuple's elements summed)."""
+    arrays = re.findall(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[([\d,]*)\]", shape)
+    return sum(_ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in arrays)
+
+
+def _kernel_bytes(rest: str, op: str, shapes: dict[str, str]) -> int:
+    """A kernel's result and operands in bytes: what it moves if it reads each operand once
+    (more than it moves where it reads a few entries of an operand: gathers, slices, in-place
+    updates; less where it re-reads one)."""
+    operands = re.findall(r"%([\w.\-]+)", rest.split(op + "(", 1)[1].split(")", 1)[0])
+    return shape_bytes(rest.split(op + "(", 1)[0]) + sum(shape_bytes(shapes.get(o, "")) for o in operands)
+
+
 def kernels(comps: dict[str, list[str]], name: str) -> Kernels:
     """What computation `name` launches (see Kernels). A fusion, a library call or a sort is one
     kernel (the computation it names is not followed); a `call` (XLA:CPU's small calls, XLA:GPU's
     command buffers) or an async start launches what its computation does."""
     out = Kernels()
+    shapes = {line.split(" = ", 1)[0].replace("ROOT ", "").strip().lstrip("%"): line.split(" = ", 1)[1]
+              for line in comps[name]}
     for line in comps[name]:
         head, rest = line.split(" = ", 1)
         op = re.search(r"\b([a-z][\w\-]*)\(", rest).group(1)
@@ -187,12 +253,14 @@ def kernels(comps: dict[str, list[str]], name: str) -> Kernels:
         elif op in ("call", "async-start"):
             inner = kernels(comps, _called(line, "to_apply" if op == "call" else "calls"))
             out.launched += inner.launched
+            out.moved += inner.moved
             out.loops += inner.loops
             out.branches += inner.branches
         elif op not in NOT_KERNELS:
             kind = re.search(r'custom_call_target="([^"]+)"|kind=(\w+)', line)
             out.launched.append((head.replace("ROOT ", "").strip().lstrip("%"),
                                  next(g for g in kind.groups() if g) if kind else op))
+            out.moved.append(_kernel_bytes(rest, op, shapes))
     return out
 
 
@@ -227,8 +295,36 @@ def report(hlo: str, dtype: str, args) -> dict:
     return row
 
 
+def _group(name: str, kind: str) -> str:
+    """matmul (cuBLAS, a Triton GEMM, XLA:CPU's dot), attention (cuDNN) or other."""
+    if "cudnn" in kind.lower():
+        return "attention"
+    matmul = kind.startswith("__cublas") or name.startswith("gemm_fusion") or kind == "dot"
+    return "matmul" if matmul else "other"
+
+
+def report_train(hlo: str, dtype: str, args) -> dict:
+    """Print and return a training step's kernels and the bytes they move (`_kernel_bytes`), by
+    group: matmuls (cuBLAS, Triton GEMMs), attention (cuDNN) and the rest (fusions, copies), which
+    on a GPU are bound by memory bandwidth."""
+    launched = kernels(computations(hlo), "ENTRY").flat()
+    groups = {g: [size for name, kind, size in launched if _group(name, kind) == g]
+              for g in ("matmul", "attention", "other")}
+    row = {"target": args.target, "program": "train", "dtype": dtype, "kernels_per_step": len(launched),
+           "kernels": {g: len(v) for g, v in groups.items()},
+           "gb": {g: sum(v) / 1e9 for g, v in groups.items()}}
+    print(f"training step, {dtype}, for {args.target}: {len(launched)} kernels; "
+          + ", ".join(f"{g} {len(v)} moving {sum(v) / 1e9:.3g} GB" for g, v in groups.items()))
+    if args.list:
+        for name, kind, size in sorted(launched, key=lambda k: -k[2]):
+            print(f"   {size / 1e6:10.1f} MB  {kind:<12} {name}")
+    return row
+
+
 def main(argv: list[str]) -> int:
     ap = ArgParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--program", default="decode", choices=("decode", "train"),
+                    help="train: bench/train.py's step; train.py's settings follow (--preset=gpt2 ...)")
     ap.add_argument("--target", default="h200", choices=(*GPUS, "cpu"))
     ap.add_argument("--config", default="gpt2")
     ap.add_argument("--batch", type=int, default=1)
@@ -238,7 +334,14 @@ def main(argv: list[str]) -> int:
                     help="auto: bfloat16 on a GPU, float32 on a CPU (as sample.py decodes)")
     ap.add_argument("--list", action="store_true", help="every kernel of the loop's body, in order")
     ap.add_argument("--json", default="", help="also write the counts to this file")
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    if args.program == "train":
+        row = report_train(*train_program(args, rest, device_sharding(args.target)), args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
+        return 0
+    if rest:
+        raise UserError(f"unknown arguments {' '.join(rest)} (train.py's settings go with --program=train)")
     from bench.sample import PRESETS
     if args.config not in PRESETS:
         raise UserError(f"--config={args.config}: one of {', '.join(PRESETS)}")

@@ -203,10 +203,9 @@ def _write_layer(held: list, layer: int, k_BTGK, v_BTGK):
 
 
 def mlp_activation(fc_BTF: jax.Array, b_F: jax.Array | None, cfg: ModelConfig) -> jax.Array:
-    """The MLP's activation of its first product plus bias: GELU, or SwiGLU's silu(gate) * up
-    (fc [B, T, 2, F]). The bias is added in float32 and rounded back (`_add_bias`)."""
-    if b_F is not None:
-        fc_BTF = (fc_BTF.astype(jnp.float32) + b_F).astype(fc_BTF.dtype)
+    """The MLP's activation of its first product plus bias (`_add_bias`): GELU, or SwiGLU's
+    silu(gate) * up (fc [B, T, 2, F])."""
+    fc_BTF = _add_bias(fc_BTF, b_F)
     if cfg.mlp == "swiglu":
         return jax.nn.silu(fc_BTF[:, :, 0]) * fc_BTF[:, :, 1]
     return jax.nn.gelu(fc_BTF, approximate=cfg.activation == "gelu_tanh")
@@ -216,7 +215,7 @@ def _value(p: nnx.Param | None):
     return None if p is None else p[...]
 
 
-def _add_bias(y: jax.Array, p: nnx.Param | None) -> jax.Array:
+def _add_bias(y: jax.Array, p: nnx.Param | jax.Array | None) -> jax.Array:
     """y + bias, rounded back to y's dtype: a matmul's bf16 product stays bf16 (as under PyTorch's
     autocast), so what follows it (GELU, SwiGLU) and what autodiff keeps of it are bf16, not
     float32. The sum itself is float32, so the bias gradient (a sum over every row) is too."""
@@ -358,13 +357,16 @@ class Block(nnx.Module):
             k_BTGK = rope(k_BTGK, positions_BT, cfg.rope_theta)
         return q_BTHK, k_BTGK, v_BTGK
 
-    def mlp(self, h_BTD, cfg: ModelConfig, mm, key=None):
-        """proj(activation(fc(h) + b_fc)) + b_proj. The activation is recomputed in the backward
-        pass from fc's product, which is kept anyway, instead of keeping its intermediates (GELU's
-        tanh, SiLU's sigmoid): each of those is a [B, T, F] array written in the forward pass and
-        read in the backward (on a GPU, GPT-2 at batch 64: 0.8 GB a layer; BENCHMARKS.md)."""
+    def mlp(self, h_BTD, cfg: ModelConfig, mm, key=None, recompute: bool = True):
+        """proj(activation(fc(h) + b_fc)) + b_proj. With `recompute` the activation is recomputed
+        in the backward pass from fc's product, which is kept anyway, instead of keeping its
+        intermediates (GELU's tanh, SiLU's sigmoid): each of those is a [B, T, F] array written in
+        the forward pass and read in the backward (on a GPU, GPT-2 at batch 64: 0.8 GB a layer;
+        BENCHMARKS.md). Under a remat policy the block is recomputed anyway, and a checkpoint
+        inside it would only add a third evaluation, so the caller passes False there."""
         fc_BTF = self.linear("w_fc", h_BTD, SPECS["w_fc_gated" if cfg.mlp == "swiglu" else "w_fc"], mm, key)
-        h_BTF = jax.checkpoint(functools.partial(mlp_activation, cfg=cfg))(fc_BTF, _value(self.b_fc))
+        act = functools.partial(mlp_activation, cfg=cfg)
+        h_BTF = (jax.checkpoint(act) if recompute else act)(fc_BTF, _value(self.b_fc))
         return _add_bias(self.linear("w_proj", h_BTF, SPECS["w_proj"], mm, key), self.b_proj)
 
     def experts(self, h_BTD, cfg: ModelConfig, rt: Runtime, capacity_factor: float
@@ -402,7 +404,8 @@ class Block(nnx.Module):
         if self.moe:
             mlp_BTD, stats = self.experts(h_BTD, cfg, rt, capacity_factor)
         else:
-            mlp_BTD, stats = self.mlp(h_BTD, cfg, mm, lora_key), None
+            recompute = rt.remat not in REMAT_POLICIES  # a remat policy recomputes the block anyway
+            mlp_BTD, stats = self.mlp(h_BTD, cfg, mm, lora_key, recompute), None
         return x_BTD + dropout(mlp_BTD, rt.dropout, keys[2]), stats
 
 

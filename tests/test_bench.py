@@ -317,6 +317,9 @@ def test_kernel_count_reads_loops_calls_and_branches():
     # 4 of its own, the inner loop 3 x 1 + 4 x 1, one branch of 1 or 2
     assert body.count() == (4 + 7 + 1, 4 + 7 + 2, 0)
     assert entry.count() == (1, 1, 1)  # the outer loop's length is unknown: left out, counted apart
+    # bytes: a f32[4] operand and result are 32; the gemm reads the loop's tuple element x
+    assert body.moved == [32, 32, 32, 32] and kc.shape_bytes("(s32[], bf16[2,3]{1,0})") == 16
+    assert len(body.flat()) == 4 + 7 + 2 and len(entry.flat()) == 1  # the largest branch
 
 
 def test_kernel_count_of_the_decode_loop_on_cpu(tmp_path):
@@ -333,6 +336,19 @@ def test_kernel_count_of_the_decode_loop_on_cpu(tmp_path):
     assert 0 < own <= out["kernels_per_token"] and out["inner_loops_of_unknown_length"] == 0
     assert f"{out['kernels_per_token']} kernels per token" in r.stdout
     assert len(r.stdout.strip().splitlines()) == 1 + own  # --list: one line per kernel of the body
+
+
+def test_kernel_count_of_a_training_step_on_cpu(tmp_path):
+    """--program=train compiles bench/train.py's step with train.py's settings and reports its
+    kernels and bytes by group (the CPU's matmuls are dots)."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_count.py"), "--program=train",
+                        "--target=cpu", "--preset=tiny", "--batch_size=2", f"--json={tmp_path / 't.json'}"],
+                       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((tmp_path / "t.json").read_text())
+    assert out["kernels_per_step"] == sum(out["kernels"].values()) > 0 and out["program"] == "train"
+    assert out["gb"]["other"] > 0 and f"{out['kernels_per_step']} kernels" in r.stdout
 
 
 def test_kernel_count_refuses_a_gpu_target_without_a_compiler_for_it():

@@ -131,6 +131,21 @@ def test_remat_and_scan_give_same_loss_and_grads(remat, scan):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
+@pytest.mark.parametrize("mlp,op", [("gelu", "tanh"), ("swiglu", "logistic")])
+def test_mlp_activation_is_recomputed_not_kept(mlp, op):
+    """The backward recomputes the MLP's activation from fc's product instead of keeping its
+    tanh/sigmoid (Block.mlp): the gradient evaluates it twice per layer, as a remat policy
+    does, and a remat policy around the block adds no third evaluation."""
+    cfg = tiny_model_config(**({"mlp": "swiglu"} if mlp == "swiglu" else {}))
+    x = tokens(2, 8, 65)
+    counts = {}
+    for remat in ("none", "block", "dots"):
+        gd, params = nnx.split(make(cfg, remat=remat))
+        grad = jax.grad(lambda p: jnp.mean(nnx.merge(gd, p)(x)[0][..., :65]))
+        counts[remat] = str(jax.make_jaxpr(grad)(params)).count(f" {op} ")
+    assert counts == {"none": 2, "block": 2, "dots": 2}  # the layer scan's body: one layer
+
+
 def test_bfloat16_compute_keeps_float32_params_and_logits():
     cfg = tiny_model_config()
     model = make(cfg, dtype="bfloat16")

@@ -46,20 +46,23 @@ def _lse(logits_BTV: jax.Array) -> jax.Array:
 
 
 def _max_and_sum(a, b):
-    """Two (max, sum of exp(x - max)) pairs as one: the smaller max's sum rescaled by one exp
-    (0 when both are -inf, i.e. nothing but -inf entries seen yet)."""
+    """Two (max, sum of exp(x - max)) pairs as one: the smaller max's sum rescaled by one exp.
+    Equal maxima (infinite ones too: exp(inf - inf) would be NaN) add their sums, so the combiner
+    is commutative with (-inf, 0) as its identity, as XLA's reductions need."""
     (ma, sa), (mb, sb) = a, b
-    m = jnp.maximum(ma, mb)
-    e = jnp.where(m == -jnp.inf, 0.0, jnp.exp(jnp.minimum(ma, mb) - m))
-    return m, jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
+    e = jnp.where(ma == mb, 1.0, jnp.exp(jnp.minimum(ma, mb) - jnp.maximum(ma, mb)))
+    return jnp.maximum(ma, mb), jnp.where(ma >= mb, sa + sb * e, sa * e + sb)
 
 
 def _lse_one_pass(logits_BTV: jax.Array) -> jax.Array:
-    """`_lse` as one reduction over the logits: each entry x starts as the pair (x, 1)."""
+    """`_lse` as one reduction over the logits: each entry x starts as the pair (x, 1). The max is
+    never subtracted from anything afterwards, so an infinite one needs no guard: an all -inf row
+    gives -inf, a row with +inf gives +inf, as the reference does. First-order reverse mode only
+    (the variadic reduce has no second derivative in JAX)."""
     x = logits_BTV.astype(jnp.float32)
     init = (jnp.float32(-jnp.inf), jnp.float32(0.0))
     m_BT, s_BT = jax.lax.reduce((x, jnp.ones_like(x)), init, _max_and_sum, (x.ndim - 1,))
-    return jnp.where(jnp.isfinite(m_BT), m_BT, 0.0) + jnp.log(s_BT)
+    return m_BT + jnp.log(s_BT)
 
 
 def _fwd(logits_BTV, targets_BT, one_pass):

@@ -53,20 +53,43 @@ def test_huge_logits_stay_finite(one_pass):
 def test_one_pass_logsumexp_is_the_two_pass_one():
     """The one-reduction logsumexp (a tree of (max, rescaled sum) pairs, in whatever order XLA
     combines them) equals the max-then-sum one: wide rows over a large range, rows with -inf
-    entries first, last or throughout, a row of equal entries, and an all -inf row (NaN loss
-    either way, as the reference)."""
+    entries first, last or scattered, a row of equal entries, a row at float32's limits; and as
+    the reference at the edges: an all -inf row (-inf: a NaN loss either way), one or two +inf
+    (+inf), a NaN (NaN)."""
     from gpt.ops.cross_entropy import _lse, _lse_one_pass
     k = jax.random.key(3)
-    rows = 30 * jax.random.normal(k, (5, 50304))
+    rows = 30 * jax.random.normal(k, (6, 50304))
     rows = rows.at[1, :40000].set(-jnp.inf).at[2, 10:].set(-jnp.inf).at[3].set(7.0)
-    rows = jnp.concatenate([rows, jnp.full((1, 50304), -jnp.inf)])
+    rows = rows.at[4, ::7].set(-jnp.inf).at[5, :2].set(jnp.array([3.4e38, -3.4e38]))
     for dtype in (jnp.float32, jnp.bfloat16):
         x = rows.astype(dtype)
         a, b = jax.jit(_lse_one_pass)(x), jax.jit(_lse)(x)
-        np.testing.assert_allclose(np.asarray(a[:5]), np.asarray(b[:5]), rtol=1e-6)
-        assert float(a[5]) == float(b[5]) == -np.inf
-    targets = jnp.zeros((6,), jnp.int32)
-    assert all(np.isnan(float(cross_entropy(rows[5:], targets[5:], p))) for p in (False, True))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    inf, nan = jnp.inf, jnp.nan
+    edges = jnp.array([[-inf, -inf, -inf], [0.0, inf, 1.0], [inf, 0.0, inf], [0.0, nan, 1.0]])
+    got, ref = jax.jit(_lse_one_pass)(edges), jax.nn.logsumexp(edges, axis=-1)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))  # -inf, inf, inf, nan
+    targets = jnp.zeros((1,), jnp.int32)
+    assert all(np.isnan(float(cross_entropy(edges[:1], targets, p))) for p in (False, True))
+
+
+def test_max_and_sum_is_a_reduction_combiner():
+    """XLA may combine the pairs in any order and start from the identity anywhere: the combiner
+    is commutative, associative up to rounding, and (-inf, 0) leaves a pair as it is, -inf and
+    +inf maxima included."""
+    from gpt.ops.cross_entropy import _max_and_sum
+    inf = np.inf
+    pairs = [(-inf, 0.0), (-inf, 1.0), (-inf, 2.0), (0.0, 1.0), (3.0, 2.0), (inf, 1.0), (1e30, 1.0)]
+    as_np = lambda p: tuple(float(np.float32(v)) for v in p)  # noqa: E731
+    pairs = [as_np(p) for p in pairs]
+    f = jax.jit(_max_and_sum)
+    for a in pairs:
+        assert as_np(f(a, (-inf, 0.0))) == as_np(f((-inf, 0.0), a)) == a
+        for b in pairs:
+            assert as_np(f(a, b)) == as_np(f(b, a)), (a, b)
+            for c in pairs:
+                ab_c, a_bc = as_np(f(f(a, b), c)), as_np(f(a, f(b, c)))
+                assert ab_c[0] == a_bc[0] and np.isclose(ab_c[1], a_bc[1], rtol=1e-6), (a, b, c)
 
 
 def test_cotangent_scales_and_targets_on_padding():
@@ -93,19 +116,38 @@ def test_training_loss_takes_it():
     assert "name=cross_entropy" in jaxpr
 
 
-def test_training_takes_the_runtimes_logsumexp():
-    """The training and evaluation losses pass the Runtime's choice on: one reduction (a variadic
-    reduce) on a GPU, a max and a sum on CPU."""
+@pytest.mark.parametrize("caller", ["loss_fn", "objective", "score_tokens"])
+def test_training_takes_the_runtimes_logsumexp(caller):
+    """The training step's objective, the evaluation loss and `gpt.evaluate`'s scoring pass the
+    Runtime's choice on: one reduction (a variadic reduce) on a GPU, a max and a sum on CPU; and
+    the training objective's value and gradient are the same either way."""
     from flax import nnx
 
     from helpers import tiny_model_config, tiny_runtime
+    from gpt import evaluate, train
     from gpt.model import GPT
-    from gpt.train import loss_fn
-    cfg = tiny_model_config()
-    x = jnp.zeros((1, 8), jnp.int32)
+    cfg = tiny_model_config(vocab_size=61)  # a padded vocabulary: -inf logits
+    x = jax.random.randint(jax.random.key(0), (2, 8), 0, 61)
+    results = {}
     for backend, one_pass in (("cpu", False), ("gpu", True)):
         rt = tiny_runtime(cfg, backend, attention="reference")
         assert rt.lse_one_pass == one_pass
-        gd, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0), runtime=rt))
-        jaxpr = str(jax.make_jaxpr(lambda p: loss_fn(gd, p, x, x))(params))
+        model = GPT(cfg, rngs=nnx.Rngs(0), runtime=rt)
+        gd, params = nnx.split(model)
+        if caller == "score_tokens":  # it imports gpt.train's cross_entropy when called
+            calls, ce = [], train.cross_entropy
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(train, "cross_entropy", lambda *a: calls.append(a[2:]) or ce(*a))
+                evaluate.score_tokens(model, np.arange(40) % 61, batch_size=2)
+            assert calls and all(c == (one_pass,) for c in calls), (backend, calls)
+            continue
+        fn = (lambda p: train.loss_fn(gd, p, x, x)) if caller == "loss_fn" else \
+            (lambda p: train.objective(gd, p, x, x)[0])
+        jaxpr = str(jax.make_jaxpr(fn)(params))
         assert ("reduce[" in jaxpr) == one_pass, backend  # a variadic reduce: the pairs
+        results[backend] = jax.jit(jax.value_and_grad(fn))(params)
+    if results:
+        (la, ga), (lb, gb) = results["cpu"], results["gpu"]
+        np.testing.assert_allclose(float(la), float(lb), rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), ga, gb)
+
