@@ -94,6 +94,16 @@ def device_sharding(target: str):
     return NamedSharding(topologies.make_mesh(topo, (1,), ("d",)), PartitionSpec())
 
 
+def _backend(target: str) -> str:
+    return "cpu" if target == "cpu" else "gpu"
+
+
+def _placed(tree, sharding):
+    """Shapes and dtypes of `tree`'s arrays, placed on `sharding` (what `lower` compiles for)."""
+    import jax
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
 def decode_program(args, sharding) -> tuple[str, str]:
     """The optimised HLO of `bench/sample.py`'s decode loop (the sampler's `for_decoding` model,
     the weights in the compute dtype, top-k sampling) compiled for `sharding`'s device, from shapes
@@ -108,18 +118,17 @@ def decode_program(args, sharding) -> tuple[str, str]:
     from gpt.runtime import decoding_dtype, resolve
     from gpt.sampling import SamplingSettings, decode, prefill
     cfg = preset_model(args.config)
-    backend = "cpu" if args.target == "cpu" else "gpu"
+    backend = _backend(args.target)
     rt = resolve(cfg, validate_compute(ComputeConfig(dtype=decoding_dtype(args.dtype, backend))), backend)
     gd, params = nnx.split(nnx.eval_shape(lambda: for_decoding(GPT(cfg, rngs=nnx.Rngs(0), runtime=rt))))
     params = jax.eval_shape(lambda p: hold_in(p, rt.dtype), params)
-    on = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
     N, B = args.new_tokens, args.batch
     s = SamplingSettings(max_new_tokens=N, temperature=1.0, top_k=args.top_k)
     prompt, start = jax.ShapeDtypeStruct((B, 16), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32)
     state = jax.eval_shape(lambda p, x, st, k: prefill(nnx.merge(gd, p), x, st, k, N),
                            params, prompt, start, jax.random.key(0))
     step = jax.jit(lambda p, st: decode(nnx.merge(gd, p), st, N, s).tokens_BN)
-    return step.lower(on(params), on(state)).compile().as_text(), rt.dtype.name
+    return step.lower(*_placed((params, state), sharding)).compile().as_text(), rt.dtype.name
 
 
 def train_program(args, rest: list[str], sharding) -> tuple[str, str]:
@@ -131,22 +140,21 @@ def train_program(args, rest: list[str], sharding) -> tuple[str, str]:
 
     from bench.sample import CHAR_VOCAB
     from gpt.config import build_train
-    from gpt.model import GPT, abstract_model
+    from gpt.model import abstract_model
     from gpt.runtime import resolve
     from gpt.train import make_optimizer, make_train_step, moe_training
     m, c, t, explicit = build_train(rest)
     if "vocab_size" not in explicit and t.tokenizer == "char":  # as bench/train.py
         m = dataclasses.replace(m, vocab_size=CHAR_VOCAB)
-    rt = resolve(m, c, "cpu" if args.target == "cpu" else "gpu")
-    graphdef = nnx.graphdef(abstract_model(m, t.seed, rt))
-    params = jax.eval_shape(lambda: nnx.to_pure_dict(nnx.state(GPT(m, rngs=nnx.Rngs(t.seed), runtime=rt))))
+    rt = resolve(m, c, _backend(args.target))
+    model = abstract_model(m, t.seed, rt)  # shapes only
+    graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
     tx = make_optimizer(t)
-    on = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
     x = jax.ShapeDtypeStruct((t.gradient_accumulation_steps, t.batch_size, m.block_size), jnp.int32)
     step = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=rt.dropout > 0, moe=moe_training(t)),
                    donate_argnums=(0, 1))
     args_ = (params, jax.eval_shape(tx.init, params), jax.ShapeDtypeStruct((), jnp.int32), x, x)
-    return step.lower(*on(args_)).compile().as_text(), rt.dtype.name
+    return step.lower(*_placed(args_, sharding)).compile().as_text(), rt.dtype.name
 
 
 def computations(hlo: str) -> dict[str, list[str]]:
@@ -234,13 +242,17 @@ def _kernel_bytes(rest: str, op: str, shapes: dict[str, str]) -> int:
     return shape_bytes(rest.split(op + "(", 1)[0]) + sum(shape_bytes(shapes.get(o, "")) for o in operands)
 
 
+def _name(head: str) -> str:
+    """The instruction's name from the text before its " = "."""
+    return head.replace("ROOT ", "").strip().lstrip("%")
+
+
 def kernels(comps: dict[str, list[str]], name: str) -> Kernels:
     """What computation `name` launches (see Kernels). A fusion, a library call or a sort is one
     kernel (the computation it names is not followed); a `call` (XLA:CPU's small calls, XLA:GPU's
     command buffers) or an async start launches what its computation does."""
     out = Kernels()
-    shapes = {line.split(" = ", 1)[0].replace("ROOT ", "").strip().lstrip("%"): line.split(" = ", 1)[1]
-              for line in comps[name]}
+    shapes = dict((_name(head), rest) for head, rest in (line.split(" = ", 1) for line in comps[name]))
     for line in comps[name]:
         head, rest = line.split(" = ", 1)
         op = re.search(r"\b([a-z][\w\-]*)\(", rest).group(1)
@@ -258,8 +270,7 @@ def kernels(comps: dict[str, list[str]], name: str) -> Kernels:
             out.branches += inner.branches
         elif op not in NOT_KERNELS:
             kind = re.search(r'custom_call_target="([^"]+)"|kind=(\w+)', line)
-            out.launched.append((head.replace("ROOT ", "").strip().lstrip("%"),
-                                 next(g for g in kind.groups() if g) if kind else op))
+            out.launched.append((_name(head), next(g for g in kind.groups() if g) if kind else op))
             out.moved.append(_kernel_bytes(rest, op, shapes))
     return out
 
@@ -321,6 +332,16 @@ def report_train(hlo: str, dtype: str, args) -> dict:
     return row
 
 
+def _check_decode_args(args, rest: list[str]) -> None:
+    from bench.sample import PRESETS
+    if rest:
+        raise UserError(f"unknown arguments {' '.join(rest)} (train.py's settings go with --program=train)")
+    if args.config not in PRESETS:
+        raise UserError(f"--config={args.config}: one of {', '.join(PRESETS)}")
+    if args.batch < 1 or args.top_k < 0:
+        raise UserError("--batch must be at least 1 and --top_k at least 0")
+
+
 def main(argv: list[str]) -> int:
     ap = ArgParser(description=__doc__.splitlines()[0])
     ap.add_argument("--program", default="decode", choices=("decode", "train"),
@@ -337,17 +358,9 @@ def main(argv: list[str]) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.program == "train":
         row = report_train(*train_program(args, rest, device_sharding(args.target)), args)
-        if args.json:
-            Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
-        return 0
-    if rest:
-        raise UserError(f"unknown arguments {' '.join(rest)} (train.py's settings go with --program=train)")
-    from bench.sample import PRESETS
-    if args.config not in PRESETS:
-        raise UserError(f"--config={args.config}: one of {', '.join(PRESETS)}")
-    if args.batch < 1 or args.top_k < 0:
-        raise UserError("--batch must be at least 1 and --top_k at least 0")
-    row = report(*decode_program(args, device_sharding(args.target)), args)
+    else:
+        _check_decode_args(args, rest)
+        row = report(*decode_program(args, device_sharding(args.target)), args)
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
     return 0

@@ -322,15 +322,20 @@ def test_kernel_count_reads_loops_calls_and_branches():
     assert len(body.flat()) == 4 + 7 + 2 and len(entry.flat()) == 1  # the largest branch
 
 
+def _kernel_count(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """bench/kernel_count.py for this CPU: the finished process and the counts it wrote."""
+    cmd = [sys.executable, str(REPO / "bench" / "kernel_count.py"), "--target=cpu", *args,
+           f"--json={tmp_path / 'out.json'}"]
+    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r, json.loads((tmp_path / "out.json").read_text())
+
+
 def test_kernel_count_of_the_decode_loop_on_cpu(tmp_path):
     """The tool compiles the sampler's decode loop from shapes alone (no CUDA plugin needed for
     the host's CPU) and counts its body's kernels, by kind."""
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_count.py"), "--target=cpu",
-                        "--config=tiny", "--new_tokens=4", f"--json={tmp_path / 'out.json'}", "--list"],
-                       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads((tmp_path / "out.json").read_text())
+    r, out = _kernel_count(tmp_path, "--config=tiny", "--new_tokens=4", "--list")
     assert out["kernels_per_token"] > 0 and out["dtype"] == "float32" and out["target"] == "cpu"
     own = sum(out["by_kind"].values())  # the body's own; XLA:CPU draws random bits in inner loops
     assert 0 < own <= out["kernels_per_token"] and out["inner_loops_of_unknown_length"] == 0
@@ -341,12 +346,7 @@ def test_kernel_count_of_the_decode_loop_on_cpu(tmp_path):
 def test_kernel_count_of_a_training_step_on_cpu(tmp_path):
     """--program=train compiles bench/train.py's step with train.py's settings and reports its
     kernels and bytes by group (the CPU's matmuls are dots)."""
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_count.py"), "--program=train",
-                        "--target=cpu", "--preset=tiny", "--batch_size=2", f"--json={tmp_path / 't.json'}"],
-                       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads((tmp_path / "t.json").read_text())
+    r, out = _kernel_count(tmp_path, "--program=train", "--preset=tiny", "--batch_size=2")
     assert out["kernels_per_step"] == sum(out["kernels"].values()) > 0 and out["program"] == "train"
     assert out["gb"]["other"] > 0 and f"{out['kernels_per_step']} kernels" in r.stdout
 
