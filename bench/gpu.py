@@ -8,8 +8,9 @@ suite goes on):
 - tests: `pytest -m gpu` (cuDNN attention == reference with gradients, bf16 training tracks
   float32, cached decoding == full recompute).
 - train: `bench/train.py` on GPT-2 124M at T=1024 in bfloat16: batch sizes up to the one that no
-  longer fits, remat variants, and the compile time with and without --scan_layers; tokens/s and
-  MFU against the measured matmul ceiling and the vendor peak.
+  longer fits, remat variants, the residual stream in bf16, and the compile time with and without
+  --scan_layers; tokens/s and MFU against the measured matmul ceiling and the vendor peak (steps
+  timed in chains of 5 synchronised once, as train.py's loop runs them).
 - sample: `bench/sample.py` decoding GPT-2 at batch 1/16/64 with the memory-bandwidth utilisation.
 - curve: a 300-step shakespeare-char run of `train.py` (its loss curve and loss.png).
 - speculative: `bench/sample.py --speculative`, greedy, batch 1, K=2 and K=4 drafted tokens: the
@@ -52,6 +53,7 @@ TRAIN_FULL = {
     "b32": ["--batch_size=32"],
     "b64-block": ["--batch_size=64", "--remat=block"],
     "b64": ["--batch_size=64"],
+    "b64-res": ["--batch_size=64", "--residual_dtype=compute"],  # the residual stream in bf16
 }
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
 # XLA:GPU settings for the part "xla", aimed at what the H200 profile showed (BENCHMARKS.md): the
@@ -68,13 +70,14 @@ def sizes(size: str) -> dict:
     """The models and lengths of each part for --size."""
     if size == "tiny":
         return dict(train_preset="tiny", train_variants=TRAIN_TINY, steps=["--steps=2", "--warmup=1",
-                    "--ceiling_n=256", "--ceiling_reps=2"], sample_config="tiny",
+                    "--chain=2", "--ceiling_n=256", "--ceiling_reps=2"], sample_config="tiny",
                     sample_batches="1,4", new_tokens=8, curve_steps=20,
                     curve_flags=["--preset=tiny", "--eval_interval=10", "--eval_iters=2",
                                  "--log_interval=5"],
                     spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16,
                     xla_train=["--batch_size=4"])
-    return dict(train_preset="gpt2", train_variants=TRAIN_FULL, steps=["--steps=10", "--warmup=3"],
+    # chains of 5 steps synchronised once, as train.py runs them (bench/train.py --chain)
+    return dict(train_preset="gpt2", train_variants=TRAIN_FULL, steps=["--steps=10", "--warmup=3", "--chain=5"],
                 sample_config="gpt2", sample_batches="1,16,64", new_tokens=256, curve_steps=300,
                 curve_flags=["--preset=shakespeare-char", "--eval_interval=50", "--eval_iters=20",
                              "--log_interval=10"],

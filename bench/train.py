@@ -1,15 +1,17 @@
 """Train-step benchmark: compile time, steady-state step time, tokens/s, model TFLOP/s and MFU.
 
     python bench/train.py --preset=shakespeare-char [--key=value ...] [--steps=N] [--warmup=N]
-                          [--dtypes=float32,bfloat16] [--ceiling_n=N]
+                          [--chain=K] [--dtypes=float32,bfloat16] [--ceiling_n=N]
 
 Settings are parsed exactly like train.py's (gpt.config.build: preset, --config file, overrides).
 Batches are random tokens (no data dir needed); with a char-tokenizer preset and no --vocab_size the
 vocabulary is 65 (tiny Shakespeare's). The step is the training step itself: gpt.train's
 make_train_step + make_optimizer, jitted with the parameters and optimizer state donated.
 
-Step time is the median of --steps steps after --warmup warm-up steps, each one synchronised
-(block_until_ready). The matmul ceiling is measured in the same run and dtype
+Step time is the median of --steps measurements after --warmup warm-up ones, each one synchronised
+(block_until_ready). A measurement is one step, or with --chain=K the mean of K steps dispatched back
+to back and synchronised once, as train.py's loop runs them: the host then prepares the next step
+while the device runs this one, where a synchronised step leaves the device idle for that time. The matmul ceiling is measured in the same run and dtype
 (gpt.metrics.measure_matmul_tflops); MFU is given against it and against the vendor peak where known.
 --dtypes times several compute dtypes (e.g. float32 vs bfloat16) interleaved, one step of each per
 round (the order alternating between rounds), and reports the speedup of each over the first (of
@@ -41,12 +43,12 @@ from gpt.runtime import cpu_native_bf16, dtype_note, resolve  # noqa: E402
 from gpt.train import make_optimizer, make_train_step, moe_training  # noqa: E402
 
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
-BENCH_KEYS = {"steps": int, "warmup": int, "dtypes": str, "ceiling_n": int, "ceiling_reps": int}
+BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling_n": int, "ceiling_reps": int}
 
 
 def split_bench_args(argv: list[str]) -> tuple[dict, list[str]]:
     """Pull the bench's own --key=value options out; the rest goes to gpt.config.build."""
-    opts = {"steps": 5, "warmup": 2, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10}
+    opts = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10}
     rest = []
     i = 0
     while i < len(argv):
@@ -66,8 +68,8 @@ def split_bench_args(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             rest.append(a)
         i += 1
-    if opts["steps"] < 1 or opts["warmup"] < 0:
-        raise UserError("--steps must be >= 1 and --warmup >= 0")
+    if opts["steps"] < 1 or opts["warmup"] < 0 or opts["chain"] < 1:
+        raise UserError("--steps and --chain must be >= 1 and --warmup >= 0")
     return opts, rest
 
 
@@ -99,14 +101,19 @@ class Variant:
         self.times: list[float] = []
         self.losses: list[float] = []
 
-    def run_step(self, i: int, timed: bool) -> None:
-        x, y = self.batches[i % 2]
+    def run_steps(self, k: int, timed: bool) -> None:
+        """`k` steps dispatched back to back, then one synchronisation; records their mean time.
+        The losses are read afterwards: reading one is a synchronisation of its own."""
+        losses = []
         t0 = time.perf_counter()
-        self.params, self.opt_state, self.step, met = self.compiled(
-            self.params, self.opt_state, self.step, x, y)
-        jax.block_until_ready((self.params, self.opt_state, self.step, met))
-        dt = time.perf_counter() - t0
-        self.losses.append(float(met["loss"]))
+        for j in range(len(self.losses), len(self.losses) + k):
+            x, y = self.batches[j % 2]
+            self.params, self.opt_state, self.step, met = self.compiled(
+                self.params, self.opt_state, self.step, x, y)
+            losses.append(met["loss"])
+        jax.block_until_ready((self.params, self.opt_state, self.step, losses))
+        dt = (time.perf_counter() - t0) / k
+        self.losses += [float(v) for v in losses]
         if timed:
             self.times.append(dt)
 
@@ -124,6 +131,7 @@ class Variant:
             raise UserError(f"non-finite loss in the benchmark: {self.losses}")
         return {
             "dtype": dtype_name,
+            "residual_dtype": jnp.dtype(self.rt.residual).name,
             "step_ms": 1e3 * step_sec,
             "step_ms_min": 1e3 * min(self.times),
             "step_ms_max": 1e3 * max(self.times),
@@ -149,7 +157,7 @@ def bench(variants: list[Variant], opts: dict) -> list[dict]:
     for i in range(opts["warmup"] + opts["steps"]):
         order = variants if i % 2 == 0 else variants[::-1]  # no variant always goes first
         for v in order:
-            v.run_step(i, timed=i >= opts["warmup"])
+            v.run_steps(opts["chain"], timed=i >= opts["warmup"])
     runs = [v.result(opts) for v in variants]
     for v, r in zip(variants[1:], runs[1:]):
         r["speedup_vs_" + runs[0]["dtype"]] = runs[0]["step_ms"] / r["step_ms"]

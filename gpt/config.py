@@ -85,6 +85,9 @@ class ComputeConfig:
     attention: str = "auto"  # auto | xla | cudnn | einsum (the plain reference implementation)
     remat: str = "none"  # none | block | dots: activation rematerialisation per block
     scan_layers: bool = False  # one compiled block applied with lax.scan (fast compile for deep models)
+    # float32 | compute: the residual stream (and its gradient) in the compute dtype, as MaxText,
+    # Levanter and llm.c keep it; fewer bytes per step on a GPU (BENCHMARKS.md)
+    residual_dtype: str = "float32"
 
 
 @dataclass
@@ -218,6 +221,7 @@ _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
     "attention": ("auto", "xla", "cudnn", "einsum"),
     "remat": ("none", "block", "dots"),
+    "residual_dtype": ("float32", "compute"),
     "lr_schedule": ("cosine", "constant", "wsd"),
 }
 
@@ -445,7 +449,7 @@ def check_moe_flags(m: ModelConfig, t: TrainConfig, explicit: set[str]) -> None:
 def validate_compute(c: ComputeConfig) -> ComputeConfig:
     if not 0.0 <= c.dropout < 1.0:
         raise UserError(f"--dropout={c.dropout} must be in [0, 1)")
-    for name in ("dtype", "attention", "remat"):
+    for name in ("dtype", "attention", "remat", "residual_dtype"):
         _check_choice(c, name)
     return c
 

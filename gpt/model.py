@@ -398,7 +398,7 @@ class Block(nnx.Module):
             k_BGKS, v_BGSK = cache_write(k_BTGK, v_BTGK)
             y_BTHK = cached_attention(q_BTHK, k_BGKS, v_BGSK, mask_BTS, rt.cached_attention)
         attn_BTD = _add_bias(self.linear("w_o", y_BTHK, SPECS["w_o"], mm, lora_key), self.b_o)
-        x_BTD = x_BTD + dropout(attn_BTD, rt.dropout, keys[1])
+        x_BTD = (x_BTD + dropout(attn_BTD, rt.dropout, keys[1])).astype(x_BTD.dtype)
 
         h_BTD = self.norm_in(x_BTD, "ln2", cfg, rt)
         if self.moe:
@@ -406,7 +406,7 @@ class Block(nnx.Module):
         else:
             recompute = rt.remat not in REMAT_POLICIES  # a remat policy recomputes the block anyway
             mlp_BTD, stats = self.mlp(h_BTD, cfg, mm, lora_key, recompute), None
-        return x_BTD + dropout(mlp_BTD, rt.dropout, keys[2]), stats
+        return (x_BTD + dropout(mlp_BTD, rt.dropout, keys[2])).astype(x_BTD.dtype), stats
 
 
 def _stack_blocks(cfg: ModelConfig, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None, *,
@@ -477,12 +477,14 @@ class GPT(nnx.Module):
         if cache is not None and T > cache.slots:
             raise ValueError(f"{T} tokens do not fit a KV cache of {cache.slots} slots")
         positions_BT, mask_BTS = cache_positions(cache, B, T, cfg.block_size)
-        # The residual stream is float32 whatever dtype the weights are held in.
+        # The residual stream is float32 whatever dtype the weights are held in, unless the run
+        # keeps it in the compute dtype (`Runtime.residual`); the embeddings are summed in float32.
         x_BTD = self.wte[...][idx_BT].astype(jnp.float32)
         if cfg.pos_embedding == "learned":
             x_BTD = x_BTD + self.wpe[...][positions_BT]
         elif cfg.pos_embedding == "sinusoidal":
             x_BTD = x_BTD + sinusoidal(positions_BT, cfg.n_embd)  # rope: inside attention
+        x_BTD = x_BTD.astype(self.rt.residual)
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         x_BTD = dropout(x_BTD, self.rt.dropout, keys[0])
         x_BTD, cache, stats = self._layers(x_BTD, cache, positions_BT, mask_BTS, keys[1], capacity_factor)

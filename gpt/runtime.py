@@ -47,6 +47,9 @@ class Runtime:
     # dtype the dense layers' and the LM head's products are written in (gpt/ops/dense.py);
     # float32 accumulation either way
     matmul_out: Any = jnp.dtype("float32")
+    # dtype of the residual stream between the blocks (and so of its gradient): float32 as under
+    # PyTorch's autocast, or the compute dtype (--residual_dtype=compute)
+    residual: Any = jnp.dtype("float32")
     mesh: Any = None  # the training mesh: MoE layers lay their dispatched tokens out on its expert axis
     # How `gpt.model.for_decoding` holds the dense weights: "rows" (CPU) and "dot" (GPU) hold them
     # [out, in], so that a one-row product reads each weight along its contiguous axis ("rows" also
@@ -272,5 +275,6 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  scan_layers=c.scan_layers,
                  decode_weights={"cpu": "rows", "gpu": "dot"}.get(backend, ""),
                  lse_one_pass=backend == "gpu",
-                 matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype))
+                 matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype),
+                 residual=jnp.dtype(dtype if c.residual_dtype == "compute" else jnp.float32))
     return dataclasses.replace(rt, **override)

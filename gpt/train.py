@@ -583,7 +583,8 @@ def start_line(s: Setup, state: State, rt: Runtime, mesh) -> str:
            f"{m.n_expert} experts in {len(m.moe_layers)} of {m.n_layer} layers)") if m.n_expert else ""
     return (f"{num_params(m) / 1e6:.2f}M params{moe}{lora}; params+optimizer {total_b / 1e9:.3f} GB "
             f"in all, {per_dev_b / 1e9:.3f} GB per device on {mesh.size} (mesh {dict(mesh.shape)}); "
-            f"compute {rt.dtype.name}{dtype_note(rt.dtype)}")
+            f"compute {rt.dtype.name}{dtype_note(rt.dtype)}"
+            + ("" if rt.residual == jnp.float32 else f", residual stream {rt.residual.name}"))
 
 
 def log_packing_waste(batches: batches_lib.Batches) -> None:

@@ -21,13 +21,16 @@ def _run(script: str, *args: str) -> dict:
 
 
 def test_bench_train_smoke():
-    out = _run("train.py", "--preset=tiny", "--steps=2", "--warmup=1", "--ceiling_n=128",
-               "--ceiling_reps=2", "--dtypes=float32,bfloat16")
+    out = _run("train.py", "--preset=tiny", "--steps=2", "--warmup=1", "--chain=2", "--ceiling_n=128",
+               "--ceiling_reps=2", "--dtypes=float32,bfloat16", "--residual_dtype=compute")
     for k in ("tokens_per_sec", "model_tflops", "ceiling_tflops", "mfu_measured", "mfu_vendor",
               "compile_sec", "device", "dtype", "step_ms"):
         assert k in out
     assert out["dtype"] == "bfloat16" and [r["dtype"] for r in out["runs"]] == ["float32", "bfloat16"]
+    # the residual stream in the compute dtype: float32 when that is float32
+    assert [r["residual_dtype"] for r in out["runs"]] == ["float32", "bfloat16"]
     assert "speedup_vs_float32" in out and len(out["speedup_per_round"]) == 2  # interleaved rounds
+    assert len(out["step_ms_all"]) == 2  # a measurement per chain of 2 steps
 
 
 @pytest.mark.slow  # 26 s (it also times transformers); bench/gpu.py --size=tiny runs it too

@@ -57,8 +57,9 @@ def test_model_logits_cudnn_equal_einsum():
 
 
 def test_bf16_training_tracks_float32():
-    """30 steps of the real train step in bf16 and in float32 from the same init and batches:
-    the losses agree to within bf16's rounding and both fall."""
+    """30 steps of the real train step in bf16 (the residual stream in float32, and in bf16 with
+    --residual_dtype=compute) and in float32 from the same init and batches: the losses agree to
+    within bf16's rounding and all fall."""
     from gpt.config import TrainConfig
     from gpt.train import make_optimizer, make_train_step
     t = TrainConfig(learning_rate=3e-3, min_lr=3e-4, warmup_iters=5, max_iters=30)
@@ -68,9 +69,9 @@ def test_bf16_training_tracks_float32():
     x = jnp.asarray((starts + np.arange(65)[None, None, None, :64]) % 65, jnp.int32)
     y = jnp.asarray((starts + 1 + np.arange(65)[None, None, None, :64]) % 65, jnp.int32)
     losses = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype, residual in (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "compute")):
         cfg = tiny_model_config(block_size=64, n_embd=128, n_head=4)
-        gd, params = nnx.split(tiny_gpt(cfg, dtype=dtype))
+        gd, params = nnx.split(tiny_gpt(cfg, dtype=dtype, residual_dtype=residual))
         params = nnx.to_pure_dict(params)
         tx = make_optimizer(t)
         opt = tx.init(params)
@@ -79,10 +80,12 @@ def test_bf16_training_tracks_float32():
         for i in range(30):
             params, opt, step, met = step_fn(params, opt, step, x[i], y[i])
             out.append(float(met["loss"]))
-        losses[dtype] = np.array(out)
-    f32, bf16 = losses["float32"], losses["bfloat16"]
-    assert f32[-1] < 0.5 * f32[0] and bf16[-1] < 0.5 * bf16[0]
-    assert np.max(np.abs(f32 - bf16) / f32) < 0.05, (f32, bf16)
+        losses[dtype, residual] = np.array(out)
+    f32 = losses.pop(("float32", "float32"))
+    assert f32[-1] < 0.5 * f32[0]
+    for bf16 in losses.values():
+        assert bf16[-1] < 0.5 * bf16[0]
+        assert np.max(np.abs(f32 - bf16) / f32) < 0.05, (f32, bf16)
 
 
 def test_cached_greedy_equals_full_recompute_on_gpu():

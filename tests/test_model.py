@@ -156,6 +156,42 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
     assert float(jnp.abs(logits[..., :65] - ref[..., :65]).max()) < 0.1
 
 
+def _stream_dtypes(model, x) -> set:
+    """The dtypes of the [B, T, D] arrays the layer scan carries from block to block."""
+    gd, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s: nnx.merge(gd, s)(x)[0])(state)
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) == 1
+    return {v.aval.dtype.name for v in scans[0].outvars if v.aval.shape == (*x.shape, model.cfg.n_embd)}
+
+
+@pytest.mark.parametrize("remat", ["none", "block"])
+def test_residual_stream_in_the_compute_dtype(remat):
+    """--residual_dtype=compute carries the stream between blocks in bf16 (float32 by default),
+    unrolled or scanned alike, and its loss and gradients stay within bf16's rounding of the
+    float32 stream's."""
+    cfg = tiny_model_config()
+    x = tokens(2, 16, 65)
+
+    def loss(model):
+        logits, _ = model(x[:, :-1])
+        return -jnp.mean(jax.nn.log_softmax(logits[..., :65].astype(jnp.float32))[..., 0])
+
+    kw = dict(dtype="bfloat16", remat=remat)
+    assert _stream_dtypes(make(cfg, scan_layers=True, **kw), x[:, :-1]) == {"float32"}
+    assert _stream_dtypes(make(cfg, scan_layers=True, residual_dtype="compute", **kw), x[:, :-1]) == {"bfloat16"}
+    l32, g32 = nnx.value_and_grad(loss)(make(cfg, **kw))
+    results = [nnx.value_and_grad(loss)(make(cfg, residual_dtype="compute", scan_layers=scan, **kw))
+               for scan in (False, True)]
+    (l_unrolled, g_unrolled), (l_scan, g_scan) = results
+    assert abs(float(l_unrolled) - float(l_scan)) < 1e-6
+    assert 0 < abs(float(l_unrolled) - float(l32)) < 2e-2 * abs(float(l32))  # rounded, not the same
+    for a, b, c in zip(*(jax.tree.leaves(nnx.state(g)) for g in (g32, g_unrolled, g_scan))):
+        assert a.dtype == b.dtype == jnp.float32  # the parameters' gradients stay float32
+        np.testing.assert_allclose(np.asarray(b), np.asarray(c), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.05 * float(jnp.abs(a).max()) + 1e-6)
+
+
 def test_dropout_is_active_only_with_a_key():
     model = make(tiny_model_config(), dropout=0.5)
     x = tokens(2, 8, 65)

@@ -69,6 +69,18 @@ def test_matmul_output_dtype_per_backend():
     assert a == b and hash(a) == hash(b) and isinstance(a.matmul_out, jnp.dtype)
 
 
+def test_residual_stream_dtype():
+    """float32 by default on every backend; --residual_dtype=compute: the compute dtype (float32
+    when that is float32), on CPU too."""
+    cfg = tiny_model_config()
+    bf16, f32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
+    for backend in ("cpu", "gpu", "tpu"):
+        assert resolve(cfg, ComputeConfig(dtype="bfloat16"), backend).residual == f32
+        assert resolve(cfg, ComputeConfig(dtype="bfloat16", residual_dtype="compute"), backend).residual == bf16
+        assert resolve(cfg, ComputeConfig(dtype="float32", residual_dtype="compute"), backend).residual == f32
+    assert isinstance(resolve(cfg, None, "gpu").residual, jnp.dtype)
+
+
 
 def test_cpu_steps_reuse_their_memory_instead_of_faulting_it_in():
     """The default run's gradient (a 47 MB temporary buffer, over glibc's 32 MB mmap threshold):

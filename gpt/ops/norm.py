@@ -5,8 +5,10 @@ input, its square, the variance and the rsqrt each get their own reductions and 
 backward pass (a GPT-2 step carried ~40 backward reductions, most from its norms). The custom VJP
 keeps the normalised input and the per-row 1/std from the forward and writes the input gradient
 from two row means, dx = rstd * (gs - mean(gs) - xhat * mean(gs * xhat)) with gs = g * scale, which
-XLA:CPU runs as a few fused passes (figures: BENCHMARKS.md). Math in float32 whatever the input
-dtype; the gradient comes back in the input's dtype. `eps` is a Python float (a static setting,
+XLA:CPU runs as a few fused passes (figures: BENCHMARKS.md). LayerNorm's bias is applied here too,
+so that its gradient and the scale's come from one reduction over the two stacked: the incoming
+gradient is read once, where XLA:GPU ran the two sums as separate kernels. Math in float32
+whatever the input dtype; the gradient comes back in the input's dtype. `eps` is a Python float (a static setting,
 not traced). The references are the plain formulas.
 """
 from __future__ import annotations
@@ -33,13 +35,12 @@ def rms_norm_reference(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5) -> jax.Array:
     """LayerNorm over the last axis (float32 result); `bias` may be None (GPT-2 without biases)."""
-    y = _norm(x, scale, eps, True)
-    return y + bias if bias is not None else y  # the bias's gradient is plain autodiff's sum
+    return _norm(x, scale, bias, eps, True)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax.Array:
     """RMSNorm (Llama): no centring and no bias; float32 result."""
-    return _norm(x, scale, eps, False)
+    return _norm(x, scale, None, eps, False)
 
 
 def _row_mean(a: jax.Array) -> jax.Array:
@@ -52,10 +53,10 @@ def _sum_rows(a: jax.Array) -> jax.Array:
     return a.sum(tuple(range(a.ndim - 1)))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _norm(x, scale, eps, centre):
-    """scale * (x - mean) / std (LayerNorm without its bias) when `centre`, else scale * x / rms."""
-    return _norm_fwd(x, scale, eps, centre)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _norm(x, scale, bias, eps, centre):
+    """scale * (x - mean) / std + bias (LayerNorm; `bias` may be None) when `centre`, else scale * x / rms."""
+    return _norm_fwd(x, scale, bias, eps, centre)[0]
 
 
 def _shift(x32: jax.Array) -> jax.Array:
@@ -95,19 +96,25 @@ def norm_factors(x: jax.Array, eps: float, centre: bool) -> tuple[jax.Array, jax
     return xc, jax.lax.rsqrt(var + eps)
 
 
-def _norm_fwd(x, scale, eps, centre):
+def _norm_fwd(x, scale, bias, eps, centre):
     xc, rstd = norm_factors(x, eps, centre)
     xhat = xc * rstd
-    return xhat * scale, (xhat, rstd, scale, jnp.zeros((), x.dtype))
+    y = xhat * scale if bias is None else xhat * scale + bias
+    like = jnp.zeros((), x.dtype), None if bias is None else jnp.zeros((), bias.dtype)
+    return y, (xhat, rstd, scale, like)
 
 
 def _norm_bwd(eps, centre, res, g):
-    xhat, rstd, scale, like = res
+    xhat, rstd, scale, (like_x, like_bias) = res
     g = g.astype(jnp.float32)
     gs = g * scale
     dxhat = gs - _row_mean(gs) if centre else gs  # centring removes the gradient's row mean
     dx = rstd * (dxhat - xhat * _row_mean(gs * xhat))
-    return dx.astype(like.dtype), _sum_rows(g * xhat).astype(scale.dtype)
+    if like_bias is None:
+        return dx.astype(like_x.dtype), _sum_rows(g * xhat).astype(scale.dtype), None
+    # both parameters' gradients from one reduction: the incoming gradient is read once
+    dscale, dbias = jnp.stack([g * xhat, g]).sum(tuple(range(1, g.ndim)))
+    return dx.astype(like_x.dtype), dscale.astype(scale.dtype), dbias.astype(like_bias.dtype)
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)

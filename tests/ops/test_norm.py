@@ -102,15 +102,18 @@ def test_constant_rows_normalise_to_zero(fast, ref, value):
 
 def test_sharded_scale_gradient_needs_no_gather():
     """With the batch and the heads sharded (q/k norms under tensor parallelism), the scale's
-    gradient is reduced where the shards are: no all-gather of the [B, T, H, K] array."""
+    gradient (and a LayerNorm's scale and bias gradients, one stacked reduction) is reduced where
+    the shards are: no all-gather of the [B, T, H, K] array."""
     from helpers import run_on_4_cpu_devices
     out = run_on_4_cpu_devices("""
 import json, jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from gpt.ops.norm import rms_norm
+from gpt.ops.norm import layer_norm, rms_norm
 mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 x = jax.device_put(jnp.ones((4, 8, 4, 16)), NamedSharding(mesh, P("data", None, "tensor", None)))
 f = jax.jit(jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, 1e-6) ** 2), argnums=(0, 1)))
-print(json.dumps({"hlo_gathers": "all-gather" in f.lower(x, jnp.ones(16)).compile().as_text()}))
+ln = jax.jit(jax.grad(lambda x, s, b: jnp.sum(layer_norm(x, s, b) ** 2), argnums=(0, 1, 2)))
+print(json.dumps({"hlo_gathers": "all-gather" in f.lower(x, jnp.ones(16)).compile().as_text(),
+                  "ln_gathers": "all-gather" in ln.lower(x, jnp.ones(16), jnp.ones(16)).compile().as_text()}))
 """)
-    assert out == {"hlo_gathers": False}
+    assert out == {"hlo_gathers": False, "ln_gathers": False}
