@@ -326,7 +326,7 @@ def _lora_base(t: TrainConfig, m: ModelConfig, explicit: set[str], meta_ck: dict
 # all of them come from the checkpoint, except the per-invocation ones.
 RESUME_MAY_CHANGE = {"data_dir", "input", "max_iters", "lr_decay_iters", "eval_interval", "eval_iters",
                      "log_interval", "ckpt_interval", "keep_checkpoints", "mesh", "dtype", "attention",
-                     "remat", "scan_layers"}
+                     "remat", "scan_layers", "residual_dtype"}
 PER_INVOCATION = {"out_dir", "init_from", "overwrite", "progress", "distributed", "coordinator_address",
                   "num_processes", "process_id"}
 
