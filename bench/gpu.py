@@ -77,7 +77,8 @@ def sizes(size: str) -> dict:
                     spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16,
                     xla_train=["--batch_size=4"])
     # chains of 5 steps synchronised once, as train.py runs them (bench/train.py --chain)
-    return dict(train_preset="gpt2", train_variants=TRAIN_FULL, steps=["--steps=10", "--warmup=3", "--chain=5"],
+    return dict(train_preset="gpt2", train_variants=TRAIN_FULL,
+                steps=["--steps=10", "--warmup=3", "--chain=5"],
                 sample_config="gpt2", sample_batches="1,16,64", new_tokens=256, curve_steps=300,
                 curve_flags=["--preset=shakespeare-char", "--eval_interval=50", "--eval_iters=20",
                              "--log_interval=10"],
@@ -273,7 +274,8 @@ def _train_table(rows: dict) -> list[str]:
         if "error" in x:
             lines.append(f"| {name} | {' '.join(x['flags'])} | {x['error']} | | | | | |")
             continue
-        lines.append(f"| {name} | {' '.join(x['flags'])} | {x['step_ms']:.1f} | "
+        chained = f" (chains of {x['chain']})" if x.get("chain", 1) > 1 else ""
+        lines.append(f"| {name} | {' '.join(x['flags'])} | {x['step_ms']:.1f}{chained} | "
                      f"{x['tokens_per_sec']:,.0f} | {x['model_tflops']:.1f} | "
                      f"{_pct(x['mfu_measured'])} of {x['ceiling_tflops']:.0f} | "
                      f"{_pct(x['mfu_vendor'])} | {x['compile_sec']:.1f} |")

@@ -9,12 +9,12 @@ vocabulary is 65 (tiny Shakespeare's). The step is the training step itself: gpt
 make_train_step + make_optimizer, jitted with the parameters and optimizer state donated.
 
 Step time is the median of --steps measurements after --warmup warm-up ones, each one synchronised
-(block_until_ready). A measurement is one step, or with --chain=K the mean of K steps dispatched back
-to back and synchronised once, as train.py's loop runs them: the host then prepares the next step
-while the device runs this one, where a synchronised step leaves the device idle for that time. The matmul ceiling is measured in the same run and dtype
-(gpt.metrics.measure_matmul_tflops); MFU is given against it and against the vendor peak where known.
---dtypes times several compute dtypes (e.g. float32 vs bfloat16) interleaved, one step of each per
-round (the order alternating between rounds), and reports the speedup of each over the first (of
+(block_until_ready). A measurement is one step, or with --chain=K the mean of K steps dispatched
+back to back and synchronised once, as train.py's loop runs them: the host then prepares the next
+step while the device runs this one, where a synchronised step leaves the device idle for that
+time. The matmul ceiling is measured in the same run and dtype (gpt.metrics.measure_matmul_tflops);
+MFU is given against it and against the vendor peak where known. --dtypes times several compute
+dtypes (e.g. float32 vs bfloat16) interleaved, one measurement of each per round (the order alternating between rounds), and reports the speedup of each over the first (of
 the medians, and per round). The last line printed is one JSON object (the last dtype's figures at
 the top level, all under "runs"). All variants are alive at once: memory is their sum.
 """
@@ -43,7 +43,8 @@ from gpt.runtime import cpu_native_bf16, dtype_note, resolve  # noqa: E402
 from gpt.train import make_optimizer, make_train_step, moe_training  # noqa: E402
 
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
-BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling_n": int, "ceiling_reps": int}
+BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling_n": int,
+              "ceiling_reps": int}
 
 
 def split_bench_args(argv: list[str]) -> tuple[dict, list[str]]:
@@ -68,8 +69,9 @@ def split_bench_args(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             rest.append(a)
         i += 1
-    if opts["steps"] < 1 or opts["warmup"] < 0 or opts["chain"] < 1:
-        raise UserError("--steps and --chain must be >= 1 and --warmup >= 0")
+    for key, least in (("steps", 1), ("chain", 1), ("warmup", 0)):
+        if opts[key] < least:
+            raise UserError(f"--{key}={opts[key]} must be at least {least}")
     return opts, rest
 
 
@@ -180,13 +182,14 @@ def main(argv: list[str]) -> int:
         print(f"model: {num_params(m) / 1e6:.2f}M params, L={m.n_layer} H={m.n_head} D={m.n_embd} "
               f"T={m.block_size} V={m.vocab_size}; batch {t.batch_size} x accum "
               f"{t.gradient_accumulation_steps}; dropout {c.dropout}; attention {c.attention}; "
-              f"remat {c.remat}")
+              f"remat {c.remat}; residual stream {c.residual_dtype}")
         variants = [Variant(m, validate_compute(dataclasses.replace(c, dtype=d)), t) for d in dtypes]
         runs = bench(variants, opts)
+        per_sync = f" chains of {opts['chain']} steps" if opts["chain"] > 1 else ""
         for r in runs:
             vend = f"{100 * r['mfu_vendor']:.1f}%" if r["mfu_vendor"] is not None else "n/a"
             print(f"[{r['dtype']}] compile {r['compile_sec']:.1f} s | step {r['step_ms']:.1f} ms "
-                  f"(median of {opts['steps']}, min {r['step_ms_min']:.1f}, max "
+                  f"(median of {opts['steps']}{per_sync}, min {r['step_ms_min']:.1f}, max "
                   f"{r['step_ms_max']:.1f}) | {r['tokens_per_sec']:,.0f} tok/s | "
                   f"{r['model_tflops']:.3f} model TFLOP/s | matmul ceiling "
                   f"{r['ceiling_tflops']:.3f} TFLOP/s | MFU {100 * r['mfu_measured']:.1f}% of "
@@ -200,7 +203,8 @@ def main(argv: list[str]) -> int:
         out.update(device=device, preset=next((a.split("=", 1)[1] for a in rest
                                                if a.startswith("--preset=")), "default"),
                    batch_size=t.batch_size, block_size=m.block_size, n_params=num_params(m),
-                   jax=jax.__version__, bf16_native=native, runs=runs)
+                   jax=jax.__version__, bf16_native=native, runs=runs, steps=opts["steps"],
+                   warmup=opts["warmup"], chain=opts["chain"])
         print(json.dumps(out))
         return 0
     except UserError as e:

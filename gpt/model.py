@@ -484,9 +484,8 @@ class GPT(nnx.Module):
             x_BTD = x_BTD + self.wpe[...][positions_BT]
         elif cfg.pos_embedding == "sinusoidal":
             x_BTD = x_BTD + sinusoidal(positions_BT, cfg.n_embd)  # rope: inside attention
-        x_BTD = x_BTD.astype(self.rt.residual)
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-        x_BTD = dropout(x_BTD, self.rt.dropout, keys[0])
+        x_BTD = dropout(x_BTD, self.rt.dropout, keys[0]).astype(self.rt.residual)
         x_BTD, cache, stats = self._layers(x_BTD, cache, positions_BT, mask_BTS, keys[1], capacity_factor)
         x_BTD = normalize(x_BTD, _norm(self.lnf_scale, self.lnf_bias, self.lnf_alpha), cfg)
         rt = self.rt

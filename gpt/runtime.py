@@ -276,5 +276,5 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  decode_weights={"cpu": "rows", "gpu": "dot"}.get(backend, ""),
                  lse_one_pass=backend == "gpu",
                  matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype),
-                 residual=jnp.dtype(dtype if c.residual_dtype == "compute" else jnp.float32))
+                 residual=jnp.dtype({"float32": jnp.float32, "compute": dtype}[c.residual_dtype]))
     return dataclasses.replace(rt, **override)

@@ -30,7 +30,15 @@ def test_bench_train_smoke():
     # the residual stream in the compute dtype: float32 when that is float32
     assert [r["residual_dtype"] for r in out["runs"]] == ["float32", "bfloat16"]
     assert "speedup_vs_float32" in out and len(out["speedup_per_round"]) == 2  # interleaved rounds
-    assert len(out["step_ms_all"]) == 2  # a measurement per chain of 2 steps
+    assert out["chain"] == 2 and len(out["step_ms_all"]) == 2  # a measurement per chain of 2 steps
+
+
+@pytest.mark.parametrize("arg", ["--chain=0", "--steps=0", "--warmup=-1", "--chain=x"])
+def test_bench_train_options_are_checked(arg):
+    from bench.train import split_bench_args
+    from gpt.errors import UserError
+    with pytest.raises(UserError, match=arg.split("=")[0]):
+        split_bench_args([arg, "--preset=tiny"])
 
 
 @pytest.mark.slow  # 26 s (it also times transformers); bench/gpu.py --size=tiny runs it too

@@ -179,7 +179,8 @@ def test_residual_stream_in_the_compute_dtype(remat):
 
     kw = dict(dtype="bfloat16", remat=remat)
     assert _stream_dtypes(make(cfg, scan_layers=True, **kw), x[:, :-1]) == {"float32"}
-    assert _stream_dtypes(make(cfg, scan_layers=True, residual_dtype="compute", **kw), x[:, :-1]) == {"bfloat16"}
+    bf16_stream = make(cfg, scan_layers=True, residual_dtype="compute", **kw)
+    assert _stream_dtypes(bf16_stream, x[:, :-1]) == {"bfloat16"}
     l32, g32 = nnx.value_and_grad(loss)(make(cfg, **kw))
     results = [nnx.value_and_grad(loss)(make(cfg, residual_dtype="compute", scan_layers=scan, **kw))
                for scan in (False, True)]
@@ -190,6 +191,31 @@ def test_residual_stream_in_the_compute_dtype(remat):
         assert a.dtype == b.dtype == jnp.float32  # the parameters' gradients stay float32
         np.testing.assert_allclose(np.asarray(b), np.asarray(c), atol=1e-6)
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=0.05 * float(jnp.abs(a).max()) + 1e-6)
+
+
+@pytest.mark.parametrize("name", ci_first(["gpt2", "moe"], {"gpt2"}))
+def test_bf16_stream_with_the_gpus_bf16_products(name):
+    """A GPU's runtime run here (bf16 products, so the stream's adds are bf16 + bf16; the layers
+    for_decoding makes): with --residual_dtype=compute the scanned stream stays bf16, and cached
+    decoding, through the stacked layers and through for_decoding's, gives the full forward's
+    logits to within bf16's rounding."""
+    cfg = tiny_model_config(**({"n_layer": 4, "n_expert": 4, "n_expert_per_token": 2, "moe_every": 2}
+                               if name == "moe" else {}))
+    kw = dict(backend="gpu", dtype="bfloat16", residual_dtype="compute", attention="xla",
+              cached_attention="xla")
+    x = tokens(2, 12, 65)
+    assert _stream_dtypes(make(cfg, scan_layers=True, **kw), x) == {"bfloat16"}
+    model = make(cfg, **kw)
+    assert model.rt.matmul_out == jnp.bfloat16 and model.rt.residual == jnp.bfloat16
+    call = nnx.jit(lambda m, x, cache: m(x, cache=cache))
+    full = call(model, x, None)[0][..., :65].astype(jnp.float32)
+    for m in (model, M.for_decoding(model)):
+        cache = M.init_cache(cfg, 2, 16, jnp.float32)
+        _, cache = call(m, x[:, :8], cache)
+        for t in range(8, 12):
+            step, cache = call(m, x[:, t:t + 1], cache)
+            err = float(jnp.abs(step[:, 0, :65] - full[:, t]).max())
+            assert err < 0.05 * float(jnp.abs(full[:, t]).max()), (t, err)
 
 
 def test_dropout_is_active_only_with_a_key():

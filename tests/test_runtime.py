@@ -76,7 +76,8 @@ def test_residual_stream_dtype():
     bf16, f32 = jnp.dtype("bfloat16"), jnp.dtype("float32")
     for backend in ("cpu", "gpu", "tpu"):
         assert resolve(cfg, ComputeConfig(dtype="bfloat16"), backend).residual == f32
-        assert resolve(cfg, ComputeConfig(dtype="bfloat16", residual_dtype="compute"), backend).residual == bf16
+        compute = ComputeConfig(dtype="bfloat16", residual_dtype="compute")
+        assert resolve(cfg, compute, backend).residual == bf16
         assert resolve(cfg, ComputeConfig(dtype="float32", residual_dtype="compute"), backend).residual == f32
     assert isinstance(resolve(cfg, None, "gpu").residual, jnp.dtype)
 

@@ -8,8 +8,8 @@ from two row means, dx = rstd * (gs - mean(gs) - xhat * mean(gs * xhat)) with gs
 XLA:CPU runs as a few fused passes (figures: BENCHMARKS.md). LayerNorm's bias is applied here too,
 so that its gradient and the scale's come from one reduction over the two stacked: the incoming
 gradient is read once, where XLA:GPU ran the two sums as separate kernels. Math in float32
-whatever the input dtype; the gradient comes back in the input's dtype. `eps` is a Python float (a static setting,
-not traced). The references are the plain formulas.
+whatever the input dtype; the gradient comes back in the input's dtype. `eps` is a Python float (a
+static setting, not traced). The references are the plain formulas.
 """
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ def rms_norm_reference(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float = 1e-5) -> jax.Array:
-    """LayerNorm over the last axis (float32 result); `bias` may be None (GPT-2 without biases)."""
+    """LayerNorm over the last axis (float32 result); `bias` [D] like `scale`, or None (GPT-2
+    without biases)."""
+    if bias is not None and bias.shape != scale.shape:  # the custom VJP returns its gradient as [D]
+        raise ValueError(f"LayerNorm bias of shape {bias.shape}, scale {scale.shape}: they must match")
     return _norm(x, scale, bias, eps, True)
 
 
@@ -55,7 +58,7 @@ def _sum_rows(a: jax.Array) -> jax.Array:
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _norm(x, scale, bias, eps, centre):
-    """scale * (x - mean) / std + bias (LayerNorm; `bias` may be None) when `centre`, else scale * x / rms."""
+    """scale * (x - mean) / std (+ bias) when `centre` (LayerNorm), else scale * x / rms (+ bias)."""
     return _norm_fwd(x, scale, bias, eps, centre)[0]
 
 
@@ -100,7 +103,7 @@ def _norm_fwd(x, scale, bias, eps, centre):
     xc, rstd = norm_factors(x, eps, centre)
     xhat = xc * rstd
     y = xhat * scale if bias is None else xhat * scale + bias
-    like = jnp.zeros((), x.dtype), None if bias is None else jnp.zeros((), bias.dtype)
+    like = (jnp.zeros((), x.dtype), (None if bias is None else jnp.zeros((), bias.dtype)))
     return y, (xhat, rstd, scale, like)
 
 

@@ -38,6 +38,10 @@ def test_layer_norm_matches_reference(shape, dtype, tol):
            (x, scale, bias), g, x.dtype, tol)
     _check(lambda x, s: layer_norm(x, s, None), lambda x, s: layer_norm_reference(x, s, None),
            (x, scale), g, x.dtype, tol)
+    _check(lambda x, s, b: layer_norm(x, s, b), lambda x, s, b: layer_norm_reference(x, s, b),
+           (x, scale, bias.astype(jnp.bfloat16)), g, x.dtype, max(tol, 2e-2))  # a bf16 bias
+    with pytest.raises(ValueError, match="must match"):  # the custom VJP's bias gradient is [D]
+        layer_norm(x, scale, bias[None])
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 2, 8), (7, 128)])
@@ -56,15 +60,17 @@ def test_under_remat_and_scan_match_reference():
     from gpt.model import REMAT_POLICIES
     x, scale, bias, g = _inputs((2, 6, 16), jnp.float32)
     scales = jnp.stack([scale, 2 * scale, scale + 1])
+    biases = jnp.stack([bias, -bias, 2 * bias])
 
     def stack(ln, rms, policy):
-        def layer(h, s):
-            return jax.checkpoint(lambda h, s: rms(ln(h, s, bias) @ jnp.eye(16), s) + h,
-                                  policy=policy)(h, s), None
-        return lambda x, scales: jnp.sum(jax.lax.scan(layer, x, scales)[0] * g)
+        def layer(h, sb):
+            return jax.checkpoint(lambda h, s, b: rms(ln(h, s, b) @ jnp.eye(16), s) + h,
+                                  policy=policy)(h, *sb), None
+        return lambda x, scales, biases: jnp.sum(jax.lax.scan(layer, x, (scales, biases))[0] * g)
     for policy in REMAT_POLICIES.values():
-        got = jax.jit(jax.grad(stack(layer_norm, rms_norm, policy), argnums=(0, 1)))(x, scales)
-        want = jax.grad(stack(layer_norm_reference, rms_norm_reference, policy), argnums=(0, 1))(x, scales)
+        got = jax.jit(jax.grad(stack(layer_norm, rms_norm, policy), argnums=(0, 1, 2)))(x, scales, biases)
+        want = jax.grad(stack(layer_norm_reference, rms_norm_reference, policy),
+                        argnums=(0, 1, 2))(x, scales, biases)
         for a, b in zip(got, want):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
