@@ -12,6 +12,7 @@ token to its expert's device (gpt/moe.py). Optimizer state follows its parameter
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -287,6 +288,24 @@ def all_or_none(fn: Callable[[], T]) -> T:
         raise UserError(f"process(es) {who} stopped at start-up (their own error says why); fix that and "
                         f"start every process again")
     return result
+
+
+@functools.cache
+def _max_over_devices() -> tuple[NamedSharding, Callable[[jax.Array], jax.Array]]:
+    """The sharding of one entry per device over every device of the job, and a compiled max of
+    such an array that every device keeps (for `max_over_processes`)."""
+    mesh = Mesh(np.asarray(jax.devices()), ("all",))
+    return NamedSharding(mesh, P("all")), jax.jit(lambda a: a.max(), out_shardings=NamedSharding(mesh, P()))
+
+
+def max_over_processes(value: int) -> jax.Array:
+    """The largest of every process's `value`, reduced on the devices and returned without
+    waiting for it: a replicated int32 scalar (read it with `.addressable_data(0)`), ready once
+    the work queued before it is done. `multihost_utils.process_allgather` returns a NumPy array,
+    so it waits for everything queued before it."""
+    sharding, reduce_max = _max_over_devices()
+    shards = [jax.device_put(np.full((1,), value, np.int32), d) for d in jax.local_devices()]
+    return reduce_max(jax.make_array_from_single_device_arrays((jax.device_count(),), sharding, shards))
 
 
 def check_agreement(parts: dict[str, str], hint: str) -> None:

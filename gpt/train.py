@@ -392,6 +392,7 @@ class StopFlag:
     def __init__(self):
         self.signal: int | None = None
         self.count = 0
+        self._pending = None  # multi-host: the previous step's agreement, still on its way
         self._old = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old[sig] = signal.signal(sig, self._handle)
@@ -407,14 +408,19 @@ class StopFlag:
 
     def agreed(self) -> bool:
         """Whether to stop after this step: this process's flag, or in a multi-host job any
-        process's (a tiny all-gather per step, only when there are several processes)."""
+        process's. There every call starts a tiny reduction of the processes' flags on the devices
+        and answers with the previous call's, so a signal stops the job one step later. Waiting
+        for this step's own answer would wait for the step itself: the host could not queue the
+        next step while the devices run this one, and every step would leave them idle for as
+        long as the host takes to dispatch it. Every process reads the same answers in the same
+        order, so all of them stop after the same step."""
         if jax.process_count() == 1:
             return self.signal is not None
-        from jax.experimental import multihost_utils
-        flags = np.asarray(multihost_utils.process_allgather(np.int32(self.signal or 0)))
-        if self.signal is None and flags.any():
-            self.signal = int(flags[flags > 0][0])  # stopping because another process was told to
-        return bool(flags.any())
+        previous, self._pending = self._pending, sharding.max_over_processes(self.signal or 0)
+        agreed = 0 if previous is None else int(np.asarray(previous.addressable_data(0)))
+        if self.signal is None and agreed:
+            self.signal = agreed  # stopping because another process was told to
+        return bool(agreed)
 
     def restore(self):
         for sig, old in self._old.items():
