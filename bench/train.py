@@ -14,8 +14,9 @@ back to back and synchronised once, as train.py's loop runs them: the host then 
 step while the device runs this one, where a synchronised step leaves the device idle for that
 time. The matmul ceiling is measured in the same run and dtype (gpt.metrics.measure_matmul_tflops);
 MFU is given against it and against the vendor peak where known. --dtypes times several compute
-dtypes (e.g. float32 vs bfloat16) interleaved, one measurement of each per round (the order alternating between rounds), and reports the speedup of each over the first (of
-the medians, and per round). The last line printed is one JSON object (the last dtype's figures at
+dtypes (e.g. float32 vs bfloat16) interleaved, one measurement of each per round (the order
+alternating between rounds), and reports the speedup of each over the first (of the medians, and
+per round). The last line printed is one JSON object (the last dtype's figures at
 the top level, all under "runs"). All variants are alive at once: memory is their sum.
 """
 from __future__ import annotations
