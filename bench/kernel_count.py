@@ -22,9 +22,10 @@ as seen so far (GPT-2 at batch 1, at the commit before this tool: 173 here, 172 
 profile of the same code).
 
 --program=train compiles `bench/train.py`'s training step instead and adds up the bytes each
-kernel reads and writes (its operands and result, each once: more than a gather or an in-place
-update moves) by group: the matmuls, attention, and the rest, the fusions that a GPU runs at
-memory bandwidth (GPT-2 at batch 64, H200: 43 ms of them in the profile, about 150 GB here).
+kernel reads and writes (its operands and result, each once; of an operand that a fusion only
+slices or gathers from, the entries it takes; an in-place update still counts its whole operand)
+by group: the matmuls, attention, and the rest, the fusions that a GPU runs at memory bandwidth
+(GPT-2 at batch 64, H200, at 5b71d82: 43.3 ms of them in the profile, 145 GB here).
 """
 from __future__ import annotations
 
@@ -234,12 +235,57 @@ def shape_bytes(shape: str) -> int:
     return sum(_ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in arrays)
 
 
-def _kernel_bytes(rest: str, op: str, shapes: dict[str, str]) -> int:
-    """A kernel's result and operands in bytes: what it moves if it reads each operand once
-    (more than it moves where it reads a few entries of an operand: gathers, slices, in-place
-    updates; less where it re-reads one)."""
+# Ops a fusion computes element by element (an entry of the result from the same entry of each
+# operand, or a relabelling of entries): what they read of an operand is what their users read.
+# The few-entry reads: slices and gathers read only the entries they return.
+_PASS_THROUGH = {"bitcast", "convert", "reshape", "copy", "transpose", "select", "compare", "add",
+                 "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "exponential",
+                 "log", "tanh", "and", "or", "not", "clamp"}
+_FEW_ENTRIES = {"slice", "dynamic-slice", "gather"}
+
+
+def _entries_read(body: list[str], name: str) -> int | None:
+    """How many entries of instruction `name` a fused computation reads, if it reads it only
+    through slices and gathers (through element-by-element ops: a converted row's first entries
+    are all it converts); None if it reads all of it."""
+    total, users = 0, 0
+    for line in body:
+        head, rest = line.split(" = ", 1)
+        op = re.search(r"\b([a-z][\w\-]*)\(", rest).group(1)
+        args = rest.split(op + "(", 1)[1].split(")", 1)[0]
+        if f"%{name}" not in re.findall(r"%[\w.\-]+", args):
+            continue
+        users += 1
+        if op in _FEW_ENTRIES and re.findall(r"%[\w.\-]+", args)[0] == f"%{name}":
+            total += shape_bytes(rest.split(op + "(", 1)[0]) // _itemsize(rest.split(op + "(", 1)[0])
+        elif op in _PASS_THROUGH:
+            inner = _entries_read(body, _name(head))
+            if inner is None:
+                return None
+            total += inner
+        else:
+            return None
+    return total if users else None  # no user: the fusion's result, every entry computed
+
+
+def _itemsize(shape: str) -> int:
+    return _ITEMSIZE[re.search(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[", shape).group(1)]
+
+
+def _kernel_bytes(rest: str, op: str, shapes: dict[str, str], comps: dict[str, list[str]]) -> int:
+    """A kernel's result and operands in bytes: what it moves if it reads each operand once, or,
+    for an operand a fusion only slices or gathers from, the entries it takes (in-place updates
+    still count their whole operand and result; an operand read twice counts once)."""
     operands = re.findall(r"%([\w.\-]+)", rest.split(op + "(", 1)[1].split(")", 1)[0])
-    return shape_bytes(rest.split(op + "(", 1)[0]) + sum(shape_bytes(shapes.get(o, "")) for o in operands)
+    body = comps.get(_called(rest, "calls"), []) if op == "fusion" else []
+    params = {int(m.group(2)): m.group(1) for m in
+              (re.match(r"%?([\w.\-]+) = .* parameter\((\d+)\)", line) for line in body) if m}
+    read = 0
+    for i, o in enumerate(operands):
+        entries = _entries_read(body, params[i]) if i in params else None
+        full = shape_bytes(shapes.get(o, ""))
+        read += full if entries is None or not full else min(full, entries * _itemsize(shapes[o]))
+    return shape_bytes(rest.split(op + "(", 1)[0]) + read
 
 
 def _name(head: str) -> str:
@@ -271,7 +317,7 @@ def kernels(comps: dict[str, list[str]], name: str) -> Kernels:
         elif op not in NOT_KERNELS:
             kind = re.search(r'custom_call_target="([^"]+)"|kind=(\w+)', line)
             out.launched.append((_name(head), next(g for g in kind.groups() if g) if kind else op))
-            out.moved.append(_kernel_bytes(rest, op, shapes))
+            out.moved.append(_kernel_bytes(rest, op, shapes, comps))
     return out
 
 

@@ -333,6 +333,39 @@ def test_kernel_count_reads_loops_calls_and_branches():
     assert len(body.flat()) == 4 + 7 + 2 and len(entry.flat()) == 1  # the largest branch
 
 
+_FEW = """
+%fused_few (p0: bf16[8,100], p1: s32[8,1], p2: f32[8,100]) -> (f32[8,1], f32[8,1], f32[8,100]) {
+  %p0 = bf16[8,100]{1,0} parameter(0)
+  %p1 = s32[8,1]{1,0} parameter(1)
+  %p2 = f32[8,100]{1,0} parameter(2)
+  %cv = f32[8,100]{1,0} convert(%p0)
+  %z = f32[8,100]{1,0} broadcast(%zc), dimensions={}
+  %sel = f32[8,100]{1,0} select(%mask, %cv, %z)
+  %s0 = f32[8,1]{1,0} slice(%cv), slice={[0:8], [0:1]}
+  %g = f32[8,1]{1,0} gather(%sel, %p1), offset_dims={}, slice_sizes={1,1}
+  %e = f32[8,100]{1,0} exponential(%p2)
+  ROOT %t = (f32[8,1]{1,0}, f32[8,1]{1,0}, f32[8,100]{1,0}) tuple(%s0, %g, %e)
+}
+
+ENTRY %main (a: bf16[8,100], i: s32[8,1], b: f32[8,100]) -> (f32[8,1], f32[8,1], f32[8,100]) {
+  %a = bf16[8,100]{1,0} parameter(0)
+  %i = s32[8,1]{1,0} parameter(1)
+  %b = f32[8,100]{1,0} parameter(2)
+  ROOT %f = (f32[8,1]{1,0}, f32[8,1]{1,0}, f32[8,100]{1,0}) fusion(%a, %i, %b), kind=kLoop, calls=%fused_few
+}
+"""
+
+
+def test_kernel_count_bytes_of_few_entry_reads():
+    """A fusion that reads an operand only through slices and gathers (after element-by-element
+    ops: a convert, a select) moves the entries it takes, in the operand's dtype; one that
+    computes every entry of an operand (the exponential, a result) moves all of it."""
+    from bench import kernel_count as kc
+    entry = kc.kernels(kc.computations(_FEW), "ENTRY")
+    result = 8 * 4 + 8 * 4 + 8 * 100 * 4
+    assert entry.moved == [result + (8 + 8) * 2 + 8 * 4 + 8 * 100 * 4]
+
+
 def _kernel_count(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     """bench/kernel_count.py for this CPU: the finished process and the counts it wrote."""
     cmd = [sys.executable, str(REPO / "bench" / "kernel_count.py"), "--target=cpu", *args,
