@@ -244,45 +244,60 @@ _PASS_THROUGH = {"bitcast", "convert", "reshape", "copy", "transpose", "select",
 _FEW_ENTRIES = {"slice", "dynamic-slice", "gather"}
 
 
-def _entries_read(body: list[str], name: str) -> int | None:
-    """How many entries of instruction `name` a fused computation reads, if it reads it only
-    through slices and gathers (through element-by-element ops: a converted row's first entries
-    are all it converts); None if it reads all of it."""
-    total, users = 0, 0
+def _users(body: list[str]) -> dict[str, list[tuple[str, str, list[str], str]]]:
+    """{instruction: its users in a computation, each (name, op, operand names, result shape)}."""
+    users: dict[str, list[tuple[str, str, list[str], str]]] = collections.defaultdict(list)
     for line in body:
         head, rest = line.split(" = ", 1)
         op = re.search(r"\b([a-z][\w\-]*)\(", rest).group(1)
-        args = rest.split(op + "(", 1)[1].split(")", 1)[0]
-        if f"%{name}" not in re.findall(r"%[\w.\-]+", args):
-            continue
-        users += 1
-        if op in _FEW_ENTRIES and re.findall(r"%[\w.\-]+", args)[0] == f"%{name}":
-            total += shape_bytes(rest.split(op + "(", 1)[0]) // _itemsize(rest.split(op + "(", 1)[0])
-        elif op in _PASS_THROUGH:
-            inner = _entries_read(body, _name(head))
-            if inner is None:
+        result, args = rest.split(op + "(", 1)
+        operands = [a.lstrip("%") for a in re.findall(r"%[\w.\-]+", args.split(")", 1)[0])]
+        for o in set(operands):
+            users[o].append((_name(head), op, operands, result))
+    return users
+
+
+def _entries_read(users: dict, name: str) -> int | None:
+    """How many entries of instruction `name` a fused computation reads, if it reads it only
+    through slices and gathers, directly or through element-by-element ops (a converted row's
+    first entries are all it converts): the entries of the distinct slices and gathers reached.
+    None if it reads all of it (another use, or it is the fusion's result)."""
+    taken, seen, todo = {}, {name}, [name]
+    while todo:
+        at = todo.pop()
+        if not users.get(at):
+            return None  # the fusion's result: every entry is computed
+        for user, op, operands, result in users[at]:
+            if op in _FEW_ENTRIES and operands[0] == at and operands.count(at) == 1:
+                taken[user] = shape_bytes(result) // max(_itemsize(result), 1)
+            elif op in _PASS_THROUGH:
+                if user not in seen:
+                    seen.add(user)
+                    todo.append(user)
+            else:
                 return None
-            total += inner
-        else:
-            return None
-    return total if users else None  # no user: the fusion's result, every entry computed
+    return sum(taken.values())
 
 
 def _itemsize(shape: str) -> int:
-    return _ITEMSIZE[re.search(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[", shape).group(1)]
+    """Bytes per entry of an array shape's type; 0 for a type `shape_bytes` does not know either."""
+    found = re.search(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64)\[", shape)
+    return _ITEMSIZE[found.group(1)] if found else 0
 
 
 def _kernel_bytes(rest: str, op: str, shapes: dict[str, str], comps: dict[str, list[str]]) -> int:
-    """A kernel's result and operands in bytes: what it moves if it reads each operand once, or,
-    for an operand a fusion only slices or gathers from, the entries it takes (in-place updates
-    still count their whole operand and result; an operand read twice counts once)."""
+    """A kernel's result and operands in bytes: what it moves if it reads each of its operands
+    once, or, of an operand a fusion only slices or gathers from, the entries it takes (at most
+    the whole operand). In-place updates still count their whole operand and result; overlapping
+    slices count each."""
     operands = re.findall(r"%([\w.\-]+)", rest.split(op + "(", 1)[1].split(")", 1)[0])
     body = comps.get(_called(rest, "calls"), []) if op == "fusion" else []
     params = {int(m.group(2)): m.group(1) for m in
               (re.match(r"%?([\w.\-]+) = .* parameter\((\d+)\)", line) for line in body) if m}
+    users = _users(body) if body else {}
     read = 0
     for i, o in enumerate(operands):
-        entries = _entries_read(body, params[i]) if i in params else None
+        entries = _entries_read(users, params[i]) if i in params else None
         full = shape_bytes(shapes.get(o, ""))
         read += full if entries is None or not full else min(full, entries * _itemsize(shapes[o]))
     return shape_bytes(rest.split(op + "(", 1)[0]) + read

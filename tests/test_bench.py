@@ -334,36 +334,48 @@ def test_kernel_count_reads_loops_calls_and_branches():
 
 
 _FEW = """
-%fused_few (p0: bf16[8,100], p1: s32[8,1], p2: f32[8,100]) -> (f32[8,1], f32[8,1], f32[8,100]) {
-  %p0 = bf16[8,100]{1,0} parameter(0)
-  %p1 = s32[8,1]{1,0} parameter(1)
-  %p2 = f32[8,100]{1,0} parameter(2)
-  %cv = f32[8,100]{1,0} convert(%p0)
-  %z = f32[8,100]{1,0} broadcast(%zc), dimensions={}
-  %sel = f32[8,100]{1,0} select(%mask, %cv, %z)
+%fused_few (p.1: bf16[8,100], p.12: s32[8,2], p.2: f32[8,100], p.3: f32[8,100], p.4: s32[]) -> (...) {
+  %p.1 = bf16[8,100]{1,0} parameter(0)
+  %p.12 = s32[8,2]{1,0} parameter(1)
+  %p.2 = f32[8,100]{1,0} parameter(2)
+  %p.3 = f32[8,100]{1,0} parameter(3)
+  %p.4 = s32[] parameter(4)
+  %cv = f32[8,100]{1,0} convert(%p.1)
+  %zero = f32[] constant(0)
+  %z = f32[8,100]{1,0} broadcast(%zero), dimensions={}
+  %m = pred[8,100]{1,0} compare(%cv, %z), direction=GT
+  %sel = f32[8,100]{1,0} select(%m, %cv, %z)
   %s0 = f32[8,1]{1,0} slice(%cv), slice={[0:8], [0:1]}
-  %g = f32[8,1]{1,0} gather(%sel, %p1), offset_dims={}, slice_sizes={1,1}
-  %e = f32[8,100]{1,0} exponential(%p2)
-  ROOT %t = (f32[8,1]{1,0}, f32[8,1]{1,0}, f32[8,100]{1,0}) tuple(%s0, %g, %e)
+  %g = f32[8]{0} gather(%sel, %p.12), start_index_map={0,1}, index_vector_dim=1, slice_sizes={1,1}
+  %e = f32[8,100]{1,0} exponential(%p.2)
+  %s3 = f32[8,1]{1,0} slice(%p.3), slice={[0:8], [0:1]}
+  %r3 = f32[8]{0} reduce(%p.3, %zero), dimensions={1}, to_apply=%add
+  %ds = f32[8,4]{1,0} dynamic-slice(%e, %p.4, %p.4), dynamic_slice_sizes={8,4}
+  ROOT %t = (f32[8,1], f32[8], f32[8,100], f32[8], f32[8,4]) tuple(%s0, %g, %e, %r3, %ds)
 }
 
-ENTRY %main (a: bf16[8,100], i: s32[8,1], b: f32[8,100]) -> (f32[8,1], f32[8,1], f32[8,100]) {
+ENTRY %main (a: bf16[8,100], i: s32[8,2], b: f32[8,100], c: f32[8,100], k: s32[]) -> (...) {
   %a = bf16[8,100]{1,0} parameter(0)
-  %i = s32[8,1]{1,0} parameter(1)
+  %i = s32[8,2]{1,0} parameter(1)
   %b = f32[8,100]{1,0} parameter(2)
-  ROOT %f = (f32[8,1]{1,0}, f32[8,1]{1,0}, f32[8,100]{1,0}) fusion(%a, %i, %b), kind=kLoop, calls=%fused_few
+  %c = f32[8,100]{1,0} parameter(3)
+  %k = s32[] parameter(4)
+  ROOT %f = (f32[8,1], f32[8], f32[8,100], f32[8], f32[8,4]) fusion(%a, %i, %b, %c, %k), calls=%fused_few
 }
 """
 
 
 def test_kernel_count_bytes_of_few_entry_reads():
     """A fusion that reads an operand only through slices and gathers (after element-by-element
-    ops: a convert, a select) moves the entries it takes, in the operand's dtype; one that
-    computes every entry of an operand (the exponential, a result) moves all of it."""
+    ops: a convert, a compare, a select) moves the entries it takes, in the operand's dtype: of
+    bf16 `a`, the slice's 8 and the gather's 8. A gather's indices, a dynamic slice's start, an
+    operand also reduced (`c`) or one whose every entry is computed (`b`: the exponential, a
+    result) move all of theirs."""
     from bench import kernel_count as kc
     entry = kc.kernels(kc.computations(_FEW), "ENTRY")
-    result = 8 * 4 + 8 * 4 + 8 * 100 * 4
-    assert entry.moved == [result + (8 + 8) * 2 + 8 * 4 + 8 * 100 * 4]
+    result = 8 * 4 + 8 * 4 + 800 * 4 + 8 * 4 + 32 * 4
+    a, i, b, c, k = (8 + 8) * 2, 16 * 4, 800 * 4, 800 * 4, 4
+    assert entry.moved == [result + a + i + b + c + k]
 
 
 def _kernel_count(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
