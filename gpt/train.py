@@ -385,8 +385,8 @@ def load_init(src: Path, m: ModelConfig, explicit: set[str]) -> tuple[ModelConfi
 
 class StopFlag:
     """SIGINT/SIGTERM set a flag; the loop finishes the step (multi-host: the next one), saves and
-    exits 0. A second signal
-    is reported and the save goes on (schedulers often repeat SIGTERM); a third aborts at once.
+    exits 0. A second signal is reported and the save goes on (schedulers often repeat SIGTERM); a
+    third aborts at once.
     In a multi-host job the processes agree on the step to stop at (`agreed`), since a signal
     reaches each process at its own moment and a save is collective."""
 

@@ -50,10 +50,11 @@ def _row_mean(a: jax.Array) -> jax.Array:
     return a.mean(-1, keepdims=True)
 
 
-def _sum_rows(a: jax.Array) -> jax.Array:
-    """Sum over every axis but the last: a [D] parameter's gradient. Reduced in place, not
+def _sum_rows(*arrays: jax.Array) -> jax.Array:
+    """Each array summed over every axis but the last, as one reduction over them stacked: [n, D],
+    the gradients of n [D] parameters, for which the arrays are read once. Reduced in place, not
     flattened first: merging sharded axes (batch, heads) would make XLA gather the whole array."""
-    return a.sum(tuple(range(a.ndim - 1)))
+    return jnp.stack(arrays).sum(tuple(range(1, arrays[0].ndim)))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -113,11 +114,9 @@ def _norm_bwd(eps, centre, res, g):
     gs = g * scale
     dxhat = gs - _row_mean(gs) if centre else gs  # centring removes the gradient's row mean
     dx = rstd * (dxhat - xhat * _row_mean(gs * xhat))
-    if like_bias is None:
-        return dx.astype(like_x.dtype), _sum_rows(g * xhat).astype(scale.dtype), None
-    # both parameters' gradients from one reduction: the incoming gradient is read once
-    dscale, dbias = jnp.stack([g * xhat, g]).sum(tuple(range(1, g.ndim)))
-    return dx.astype(like_x.dtype), dscale.astype(scale.dtype), dbias.astype(like_bias.dtype)
+    sums = _sum_rows(g * xhat, *(() if like_bias is None else (g,)))  # the scale's, the bias's
+    dbias = None if like_bias is None else sums[1].astype(like_bias.dtype)
+    return dx.astype(like_x.dtype), sums[0].astype(scale.dtype), dbias
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
