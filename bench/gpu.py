@@ -22,6 +22,9 @@ suite goes on):
   XLA_FLAGS in its own processes after a baseline with those alone: the headline training step
   (batch 64) and batch-1 decoding, each against the baseline. A flag this XLA does not know ends
   only its own runs, and one it has retired (a warning, no effect) is noted in its row.
+- profile (not run unless named in --parts): `bench/kernel_time.py`'s device time per kernel
+  group and its top kernels, for the headline training step (batch 64, one batch a step), the same
+  with the residual stream in bf16, and batch-1 decoding: where the time goes when a target is missed.
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -42,7 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ("tests", "sample", "curve", "speculative", "train")  # the longest last: a cut-short run keeps the rest
-EXTRA_PARTS = ("xla",)  # run only when named
+EXTRA_PARTS = ("xla", "profile")  # run only when named
 
 # name -> bench/train.py flags. The first is the headline configuration; "scan" measures compile
 # time with --scan_layers; the larger batches and remat policies look for the fastest that fits.
@@ -78,7 +81,7 @@ def sizes(size: str) -> dict:
                     curve_flags=["--preset=tiny", "--eval_interval=10", "--eval_iters=2",
                                  "--log_interval=5"],
                     spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16,
-                    xla_train=["--batch_size=4"])
+                    xla_train=["--batch_size=4"], profile_decode=["--config=tiny", "--new_tokens=8"])
     # chains of 5 steps synchronised once, as train.py runs them (bench/train.py --chain)
     return dict(train_preset="gpt2", train_variants=TRAIN_FULL,
                 steps=["--steps=10", "--warmup=3", "--chain=5"],
@@ -86,7 +89,7 @@ def sizes(size: str) -> dict:
                 curve_flags=["--preset=shakespeare-char", "--eval_interval=50", "--eval_iters=20",
                              "--log_interval=10"],
                 spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"], distill_rows=2560,
-                xla_train=["--batch_size=64"])
+                xla_train=["--batch_size=64"], profile_decode=["--config=gpt2", "--new_tokens=64"])
 
 
 class Runner:
@@ -244,6 +247,23 @@ def part_xla(r: Runner, sz: dict, settings: list[str]) -> dict:
     return rows
 
 
+def part_profile(r: Runner, sz: dict) -> dict:
+    """bench/kernel_time.py on the headline training step, with a bf16 residual stream, and on
+    batch-1 decoding; each row keeps the profile's JSON (per timeline: busy ms, groups, top names)."""
+    train = [sys.executable, "bench/kernel_time.py", "train", f"--preset={sz['train_preset']}",
+             "--dtype=bfloat16", "--gradient_accumulation_steps=1", *sz["xla_train"], "--top=12"]
+    runs = {"train": train, "train, bf16 stream": [*train, "--residual_dtype=compute"],
+            "decode, batch 1": [sys.executable, "bench/kernel_time.py", "decode", "--batch=1",
+                                *sz["profile_decode"], "--top=12"]}
+    rows = {}
+    for name, cmd in runs.items():
+        rc, text, _ = r.run(cmd)
+        res = last_json(text) if rc == 0 else None
+        rows[name] = {"lines": res["lines"]} if res else {"error": why_failed(rc, text)}
+        r.save("profile", rows)
+    return rows
+
+
 def part_curve(r: Runner, sz: dict) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-curve-"))
     n = sz["curve_steps"]
@@ -329,6 +349,24 @@ def _xla_table(rows: dict, baseline_flags: str) -> list[str]:
     return lines
 
 
+def _profile_table(rows: dict) -> list[str]:
+    lines = []
+    for name, x in rows.items():
+        lines.append(f"### {name}")
+        if "error" in x:
+            lines += ["", x["error"], ""]
+            continue
+        for t in x["lines"]:
+            groups = ", ".join(f"{g} {v:.2f}" for g, v in t["groups"].items())
+            lines += ["", f"`{t['line']}`: busy {t['busy_ms']:.2f} ms of a {t['span_ms']:.2f} ms span, "
+                      f"{t['events_per_step']:.0f} events; by group (ms): {groups}", "",
+                      "| ms | per step | group | name |", "|---|---|---|---|",
+                      *[f"| {k['ms']:.3f} | {k['per_step']:.1f} | {k['group']} | `{k['name'][:90]}` |"
+                        for k in t["top"]]]
+        lines.append("")
+    return lines
+
+
 def markdown(results: dict) -> str:
     p = results["parts"]
     out = [f"# GPU suite ({results.get('device', '?')}, jax {results.get('jax', '?')}, "
@@ -349,6 +387,9 @@ def markdown(results: dict) -> str:
     if "xla" in p:
         out += ["## XLA flags (training step and batch-1 decoding against the baseline)", "",
                 *_xla_table(p["xla"], results.get("xla_flags_baseline", "")), ""]
+    if "profile" in p:
+        out += ["## Profiles (bench/kernel_time.py, per step or decoded token)", "",
+                *_profile_table(p["profile"])]
     if "curve" in p:
         c = p["curve"]
         out += ["## Short training run (train.py)", "", f"exit {c['exit']}, {c['wall_sec']:.0f} s wall, "
@@ -398,7 +439,7 @@ def main(argv: list[str]) -> int:
         res = {"tests": lambda: part_tests(r, sz), "train": lambda: part_train(r, sz, only),
                "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz),
                "speculative": lambda: part_speculative(r, sz),
-               "xla": lambda: part_xla(r, sz, settings)}[part]()
+               "xla": lambda: part_xla(r, sz, settings), "profile": lambda: part_profile(r, sz)}[part]()
         r.save(part, res)
     print(markdown(r.results))
     return 0

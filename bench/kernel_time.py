@@ -7,6 +7,10 @@ It traces a few steps after warm-up and prints the ops and kernels that take the
 (per step), grouped into matmuls, attention, fusions (elementwise/reductions), copies and the rest,
 with the gaps where the device sat idle. It reads the trace with `jax.profiler.ProfileData`, so
 neither TensorBoard nor a GPU profiler is needed; on CPU the "device" is the host's XLA threads.
+The last line printed is one JSON object: per timeline, the busy time and span per step, the time
+per group and the top names. Training settings are parsed like train.py's, so the gpt2 preset
+accumulates 40 micro-batches a step (nanoGPT's setting): `--gradient_accumulation_steps=1` profiles
+one batch's step, as bench/gpu.py's part "profile" does.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import argparse
 import collections
 import glob
 import importlib.util
+import json
 import re
 import sys
 import tempfile
@@ -53,27 +58,40 @@ def device_events(xspace_path: str) -> dict[str, list[tuple[str, float, float]]]
     return out
 
 
-def report(lines: dict[str, list], steps: int, top: int) -> None:
+def summarise(line_name: str, evs: list, steps: int, top: int) -> dict:
+    """One timeline's device time per step: busy and span, by group, and the `top` names."""
+    total = sum(d for _, _, d in evs)
+    span = max(s + d for _, s, d in evs) - min(s for _, s, _ in evs)
+    by_group, by_name, count = collections.Counter(), collections.Counter(), collections.Counter()
+    for name, _, d in evs:
+        key = re.sub(r"\.\d+$", "", name) if len(name) > 60 else name
+        by_name[key] += d
+        count[key] += 1
+        by_group[group(name)] += d
+    ms = lambda ns: ns / steps / 1e6  # noqa: E731
+    return {"line": line_name, "events_per_step": len(evs) / steps, "busy_ms": ms(total),
+            "span_ms": ms(span), "groups": {g: ms(v) for g, v in by_group.most_common()},
+            "top": [{"name": n, "ms": ms(d), "per_step": count[n] / steps, "group": group(n)}
+                    for n, d in by_name.most_common(top)]}
+
+
+def report(lines: dict[str, list], steps: int, top: int) -> list[dict]:
+    """Prints each device timeline's summary (XLA's op and stream lines where there are several)
+    and returns them."""
+    out = []
     for line_name, evs in lines.items():
         if not re.search(r"XLA Ops|Stream|XLA", line_name) and len(lines) > 1:
             continue
-        total = sum(d for _, _, d in evs)
-        span = max(s + d for _, s, d in evs) - min(s for _, s, _ in evs)
-        print(f"\n== {line_name}: {len(evs) / steps:.0f} events/step, busy {total / steps / 1e6:.2f} "
-              f"ms/step of a {span / steps / 1e6:.2f} ms/step span ({100 * total / max(span, 1):.0f}%)")
-        by_group = collections.Counter()
-        by_name = collections.Counter()
-        count = collections.Counter()
-        for name, _, d in evs:
-            key = re.sub(r"\.\d+$", "", name) if len(name) > 60 else name
-            by_name[key] += d
-            count[key] += 1
-            by_group[group(name)] += d
-        print("   " + ", ".join(f"{g} {v / steps / 1e6:.2f} ms ({100 * v / total:.0f}%)"
-                                for g, v in by_group.most_common()))
-        for name, d in by_name.most_common(top):
-            print(f"   {d / steps / 1e6:8.3f} ms {100 * d / total:5.1f}% x{count[name] / steps:5.1f}  "
-                  f"[{group(name)}] {name[:110]}")
+        x = summarise(line_name, evs, steps, top)
+        print(f"\n== {line_name}: {x['events_per_step']:.0f} events/step, busy {x['busy_ms']:.2f} "
+              f"ms/step of a {x['span_ms']:.2f} ms/step span ({100 * x['busy_ms'] / max(x['span_ms'], 1e-9):.0f}%)")
+        busy = max(x["busy_ms"], 1e-12)
+        print("   " + ", ".join(f"{g} {v:.2f} ms ({100 * v / busy:.0f}%)" for g, v in x["groups"].items()))
+        for k in x["top"]:
+            print(f"   {k['ms']:8.3f} ms {100 * k['ms'] / busy:5.1f}% x{k['per_step']:5.1f}  "
+                  f"[{k['group']}] {k['name'][:110]}")
+        out.append(x)
+    return out
 
 
 def trace(fn, steps: int) -> str:
@@ -133,7 +151,8 @@ def main(argv: list[str]) -> int:
     per = args.steps * (args.new_tokens if args.what == "decode" else 1)
     print(f"{args.what}: per {'decoded token' if args.what == 'decode' else 'step'} "
           f"(averaged over {per})")
-    report(lines, per, args.top)
+    summary = report(lines, per, args.top)
+    print(json.dumps({"what": args.what, "averaged_over": per, "lines": summary}))  # the last line
     return 0
 
 

@@ -3,7 +3,9 @@
     python bench/train.py --preset=shakespeare-char [--key=value ...] [--steps=N] [--warmup=N]
                           [--chain=K] [--dtypes=float32,bfloat16] [--ceiling_n=N]
 
-Settings are parsed exactly like train.py's (gpt.config.build: preset, --config file, overrides).
+Settings are parsed exactly like train.py's (gpt.config.build: preset, --config file, overrides),
+so the gpt2 preset's step accumulates 40 micro-batches (nanoGPT's setting; the model line says
+"accum 40"): `--gradient_accumulation_steps=1` times one batch's step, as bench/gpu.py does.
 Batches are random tokens (no data dir needed); with a char-tokenizer preset and no --vocab_size the
 vocabulary is 65 (tiny Shakespeare's). The step is the training step itself: gpt.train's
 make_train_step + make_optimizer, jitted with the parameters and optimizer state donated.

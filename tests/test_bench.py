@@ -203,6 +203,39 @@ def test_profile_of_a_decoding_step():
     assert "decode: per decoded token" in r.stdout
 
 
+def test_profile_summary_per_step():
+    """kernel_time.summarise: busy time and span per step, time by group, the top names with how
+    many times a step each ran; long names lose their numeric suffix, so one op's copies add up."""
+    from bench import kernel_time as kt
+    long = "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT_with_a_long_enough_name_to_be_grouped"
+    evs = [(f"{long}.1", 0, 3_000_000), (f"{long}.2", 4_000_000, 1_000_000),
+           ("input_reduce_fusion.7", 6_000_000, 2_000_000)]  # two steps: 6 ms busy in an 8 ms span
+    x = kt.summarise("XLA Ops", evs, steps=2, top=5)
+    assert (x["busy_ms"], x["span_ms"], x["events_per_step"]) == (3.0, 4.0, 1.5)
+    assert x["groups"] == {"matmul": 2.0, "fusion": 1.0}
+    assert [(k["name"], k["ms"], k["per_step"]) for k in x["top"]] == [
+        (long, 2.0, 1.0), ("input_reduce_fusion.7", 1.0, 0.5)]
+
+
+@pytest.mark.slow  # three tiny profiles, 15 s
+def test_gpu_suite_profiles_where_the_time_goes(tmp_path):
+    """bench/gpu.py --parts=profile: the training step, with a bf16 stream, and batch-1 decoding,
+    each with its device time by group and top names in gpu.json and gpu.md."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}", "--size=tiny",
+                        "--parts=profile"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu.json").read_text())["parts"]["profile"]
+    assert list(rows) == ["train", "train, bf16 stream", "decode, batch 1"]
+    for x in rows.values():
+        assert x["lines"] and all(t["busy_ms"] > 0 and t["top"] for t in x["lines"])
+    log = (tmp_path / "gpu.log").read_text()
+    commands = [ln for ln in log.splitlines() if ln.startswith("$ ")]
+    assert all("--gradient_accumulation_steps=1" in c for c in commands[:2])
+    assert ["--residual_dtype=compute" in c for c in commands] == [False, True, False]
+    assert "## Profiles" in (tmp_path / "gpu.md").read_text()
+
+
 def test_profile_groups_kernels_by_kind():
     """cuBLAS's Hopper GEMMs (nvjet) are matmuls; cuDNN's flash kernels (which also name wgmma) are
     attention; XLA's fusions and copies keep their groups."""
