@@ -57,6 +57,11 @@ TRAIN_FULL = {
     "b64-block": ["--batch_size=64", "--remat=block"],
     "b64": ["--batch_size=64"],
     "b64-res": ["--batch_size=64", "--residual_dtype=compute"],  # the residual stream in bf16
+    # each GPU choice of the step undone, one at a time (bench/train.py --runtime): none of the
+    # three had been timed on a GPU when the bf16 stream measured 45.2% (BENCHMARKS.md)
+    "b64-res-lse2": ["--batch_size=64", "--residual_dtype=compute", "--runtime=lse_one_pass=false"],
+    "b64-res-keep": ["--batch_size=64", "--residual_dtype=compute", "--runtime=mlp_recompute=false"],
+    "b64-res-autodiff": ["--batch_size=64", "--residual_dtype=compute", "--runtime=dense_vjp=false"],
 }
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
 # XLA:GPU settings for the part "xla", aimed at what the H200 profile showed (BENCHMARKS.md): the

@@ -1,6 +1,7 @@
 """Where a step's time goes: device time per XLA op and per kernel, from a jax.profiler trace.
 
-    python bench/kernel_time.py train [--key=value ...] [--steps=N]    # a training step (bench/train.py's)
+    python bench/kernel_time.py train [--key=value ...] [--runtime=KEY=VALUE,...] [--steps=N]
+                                      # a training step (bench/train.py's, --runtime as there)
     python bench/kernel_time.py decode [--config=gpt2] [--batch=1] [--new_tokens=64] [--weights=compute]
 
 It traces a few steps after warm-up and prints the ops and kernels that take the most device time
@@ -107,8 +108,9 @@ def train_step_fn(rest: list[str]):
     bt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bt)
     from gpt.config import build_train
+    opts, rest = bt.split_bench_args(rest)  # --runtime (its other options do not apply here)
     m, c, t, _ = build_train(rest)
-    v = bt.Variant(m, c, t)
+    v = bt.Variant(m, c, t, bt.runtime_override(opts["runtime"]))
     return lambda: v.run_steps(1, timed=False)
 
 
@@ -144,7 +146,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--weights", default="compute", choices=("compute", "float32"))
     args, rest = ap.parse_known_args(argv)
-    fn = train_step_fn(rest) if args.what == "train" else decode_fn(args)
+    # --dtype is train.py's own setting too: a training step gets it back
+    fn = train_step_fn(rest + [f"--dtype={args.dtype}"]) if args.what == "train" else decode_fn(args)
     for _ in range(2):
         fn()  # compile and warm up
     lines = device_events(trace(fn, args.steps))

@@ -2,6 +2,7 @@
 
     python bench/train.py --preset=shakespeare-char [--key=value ...] [--steps=N] [--warmup=N]
                           [--chain=K] [--dtypes=float32,bfloat16] [--ceiling_n=N]
+                          [--runtime=KEY=VALUE,...]
 
 Settings are parsed exactly like train.py's (gpt.config.build: preset, --config file, overrides),
 so the gpt2 preset's step accumulates 40 micro-batches (nanoGPT's setting; the model line says
@@ -18,7 +19,9 @@ time. The matmul ceiling is measured in the same run and dtype (gpt.metrics.meas
 MFU is given against it and against the vendor peak where known. --dtypes times several compute
 dtypes (e.g. float32 vs bfloat16) interleaved, one measurement of each per round (the order
 alternating between rounds), and reports the speedup of each over the first (of the medians, and
-per round). The last line printed is one JSON object (the last dtype's figures at
+per round). --runtime overrides resolved choices of gpt.runtime.Runtime (RUNTIME_KNOBS: e.g.
+`lse_one_pass=false,mlp_recompute=false`), to time one choice against the default on a GPU.
+The last line printed is one JSON object (the last dtype's figures at
 the top level, all under "runs"). All variants are alive at once: memory is their sum.
 """
 from __future__ import annotations
@@ -47,12 +50,17 @@ from gpt.train import make_optimizer, make_train_step, moe_training  # noqa: E40
 
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
 BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling_n": int,
-              "ceiling_reps": int}
+              "ceiling_reps": int, "runtime": str}
+# Runtime choices --runtime may override (an A/B of one choice on a GPU, in one call): the
+# cross-entropy's one-pass logsumexp, the MLP activation's recomputation, the dense layers'
+# hand-written backward (the attention kernel is train.py's own --attention)
+RUNTIME_KNOBS = ("lse_one_pass", "mlp_recompute", "dense_vjp")
 
 
 def split_bench_args(argv: list[str]) -> tuple[dict, list[str]]:
     """Pull the bench's own --key=value options out; the rest goes to gpt.config.build."""
-    opts = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10}
+    opts = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10,
+            "runtime": ""}
     rest = []
     i = 0
     while i < len(argv):
@@ -78,12 +86,26 @@ def split_bench_args(argv: list[str]) -> tuple[dict, list[str]]:
     return opts, rest
 
 
+def runtime_override(text: str) -> dict:
+    """--runtime=KEY=VALUE,... as fields replacing the resolved Runtime's (RUNTIME_KNOBS)."""
+    out: dict = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        key, sep, raw = item.partition("=")
+        if key not in RUNTIME_KNOBS or not sep:
+            raise UserError(f"--runtime={text}: {item!r} is not KEY=VALUE with KEY one of "
+                            f"{', '.join(RUNTIME_KNOBS)}")
+        if raw not in ("true", "false"):
+            raise UserError(f"--runtime: {key}={raw!r} must be true or false")
+        out[key] = raw == "true"
+    return out
+
+
 class Variant:
     """One compiled train step (one compute dtype) with its own parameters, optimizer and batches."""
 
-    def __init__(self, m: ModelConfig, c: ComputeConfig, t: TrainConfig):
+    def __init__(self, m: ModelConfig, c: ComputeConfig, t: TrainConfig, override: dict | None = None):
         self.m, self.t = m, t
-        self.rt = rt = resolve(m, c)
+        self.rt = rt = resolve(m, c, **(override or {}))
         A, B, T = t.gradient_accumulation_steps, t.batch_size, m.block_size
         self.tokens_per_step = A * B * T
         graphdef = nnx.graphdef(abstract_model(m, t.seed, rt))
@@ -177,6 +199,7 @@ def main(argv: list[str]) -> int:
         m, c, t, explicit = build_train(rest)
         if "vocab_size" not in explicit and t.tokenizer == "char":
             m = dataclasses.replace(m, vocab_size=CHAR_VOCAB)
+        override = runtime_override(opts["runtime"])
         dtypes = [d for d in opts["dtypes"].split(",") if d] or [c.dtype]
         device = metrics_lib.device_name()
         native = jax.default_backend() != "cpu" or cpu_native_bf16()
@@ -185,8 +208,10 @@ def main(argv: list[str]) -> int:
         print(f"model: {num_params(m) / 1e6:.2f}M params, L={m.n_layer} H={m.n_head} D={m.n_embd} "
               f"T={m.block_size} V={m.vocab_size}; batch {t.batch_size} x accum "
               f"{t.gradient_accumulation_steps}; dropout {c.dropout}; attention {c.attention}; "
-              f"remat {c.remat}; residual stream {c.residual_dtype}")
-        variants = [Variant(m, validate_compute(dataclasses.replace(c, dtype=d)), t) for d in dtypes]
+              f"remat {c.remat}; residual stream {c.residual_dtype}"
+              + "".join(f"; {k}={v}" for k, v in override.items()))
+        variants = [Variant(m, validate_compute(dataclasses.replace(c, dtype=d)), t, override)
+                    for d in dtypes]
         runs = bench(variants, opts)
         per_sync = f" chains of {opts['chain']} steps" if opts["chain"] > 1 else ""
         for r in runs:
@@ -207,7 +232,7 @@ def main(argv: list[str]) -> int:
                                                if a.startswith("--preset=")), "default"),
                    batch_size=t.batch_size, block_size=m.block_size, n_params=num_params(m),
                    jax=jax.__version__, bf16_native=native, runs=runs, steps=opts["steps"],
-                   warmup=opts["warmup"], chain=opts["chain"])
+                   warmup=opts["warmup"], chain=opts["chain"], runtime=override)
         print(json.dumps(out))
         return 0
     except UserError as e:

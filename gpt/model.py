@@ -404,7 +404,8 @@ class Block(nnx.Module):
         if self.moe:
             mlp_BTD, stats = self.experts(h_BTD, cfg, rt, capacity_factor)
         else:
-            recompute = rt.remat not in REMAT_POLICIES  # a remat policy recomputes the block anyway
+            # a remat policy recomputes the block anyway
+            recompute = rt.mlp_recompute and rt.remat not in REMAT_POLICIES
             mlp_BTD, stats = self.mlp(h_BTD, cfg, mm, lora_key, recompute), None
         return (x_BTD + dropout(mlp_BTD, rt.dropout, keys[2])).astype(x_BTD.dtype), stats
 

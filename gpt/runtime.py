@@ -60,6 +60,9 @@ class Runtime:
     # The cross-entropy's logsumexp as one reduction over the logits (gpt.ops.cross_entropy): one
     # read of the [B, T, V] logits on a GPU; two passes on CPU, where one was slower (TPU: not measured)
     lse_one_pass: bool = False
+    # Without a remat policy, the MLP's activation is recomputed in the backward from fc's product
+    # instead of keeping its intermediates (gpt.model.Block.mlp); False keeps them (for A/B timing)
+    mlp_recompute: bool = True
 
     def __post_init__(self) -> None:
         if self.decode_weights not in DECODE_WEIGHTS:  # a typo would transpose, then multiply wrongly

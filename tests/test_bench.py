@@ -22,7 +22,8 @@ def _run(script: str, *args: str) -> dict:
 
 def test_bench_train_smoke():
     out = _run("train.py", "--preset=tiny", "--steps=2", "--warmup=1", "--chain=2", "--ceiling_n=128",
-               "--ceiling_reps=2", "--dtypes=float32,bfloat16", "--residual_dtype=compute")
+               "--ceiling_reps=2", "--dtypes=float32,bfloat16", "--residual_dtype=compute",
+               "--runtime=mlp_recompute=false")
     for k in ("tokens_per_sec", "model_tflops", "ceiling_tflops", "mfu_measured", "mfu_vendor",
               "compile_sec", "device", "dtype", "step_ms"):
         assert k in out
@@ -31,6 +32,25 @@ def test_bench_train_smoke():
     assert [r["residual_dtype"] for r in out["runs"]] == ["float32", "bfloat16"]
     assert "speedup_vs_float32" in out and len(out["speedup_per_round"]) == 2  # interleaved rounds
     assert out["chain"] == 2 and len(out["step_ms_all"]) == 2  # a measurement per chain of 2 steps
+    assert out["runtime"] == {"mlp_recompute": False}
+
+
+def test_bench_runtime_override():
+    """--runtime replaces resolved Runtime choices (a GPU A/B of one choice); anything but a known
+    KEY=true|false is one line naming it."""
+    from bench.train import Variant, runtime_override
+    from gpt.config import ComputeConfig, TrainConfig
+    from gpt.errors import UserError
+    from helpers import tiny_model_config
+    assert runtime_override("lse_one_pass=false, mlp_recompute=true") == {
+        "lse_one_pass": False, "mlp_recompute": True}
+    assert runtime_override("") == {}
+    for bad, says in (("foo=1", "foo"), ("dense_vjp", "dense_vjp"), ("dense_vjp=0", "true or false"),
+                      ("dtype=true", "dtype")):
+        with pytest.raises(UserError, match=says):
+            runtime_override(bad)
+    m, c, t = tiny_model_config(), ComputeConfig(), TrainConfig(batch_size=2)
+    assert not Variant(m, c, t, {"dense_vjp": False}).rt.dense_vjp and Variant(m, c, t).rt.dense_vjp
 
 
 @pytest.mark.parametrize("arg", ["--chain=0", "--steps=0", "--warmup=-1", "--chain=x"])

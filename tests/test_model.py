@@ -144,6 +144,9 @@ def test_mlp_activation_is_recomputed_not_kept(mlp, op):
         grad = jax.grad(lambda p: jnp.mean(nnx.merge(gd, p)(x)[0][..., :65]))
         counts[remat] = str(jax.make_jaxpr(grad)(params)).count(f" {op} ")
     assert counts == {"none": 2, "block": 2, "dots": 2}  # the layer scan's body: one layer
+    gd, params = nnx.split(make(cfg, mlp_recompute=False))  # kept: evaluated once
+    grad = jax.grad(lambda p: jnp.mean(nnx.merge(gd, p)(x)[0][..., :65]))
+    assert str(jax.make_jaxpr(grad)(params)).count(f" {op} ") == 1
 
 
 def test_bfloat16_compute_keeps_float32_params_and_logits():
