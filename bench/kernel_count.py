@@ -3,6 +3,7 @@
     python bench/kernel_count.py [--target=h200|h100|cpu] [--config=gpt2] [--batch=1] [--top_k=200]
                                  [--new_tokens=64] [--list] [--json=PATH]
     python bench/kernel_count.py --program=train [--target=...] [--list] [train.py's settings]
+                                 [--runtime=KEY=VALUE,...]  (bench/train.py's)
 
 Batch-1 decoding on a GPU is a chain of small kernels, each 2-3 us on an H200 whatever little it
 does, so the number of kernels per token is what a change to the decoding step has to lower (the
@@ -24,8 +25,9 @@ profile of the same code).
 --program=train compiles `bench/train.py`'s training step instead and adds up the bytes each
 kernel reads and writes (its operands and result, each once; of an operand that a fusion only
 slices or gathers from, the entries it takes; an in-place update still counts its whole operand)
-by group: the matmuls, attention, and the rest, the fusions that a GPU runs at memory bandwidth
-(GPT-2 at batch 64, H200, at 5b71d82: 43.3 ms of them in the profile, 145 GB here).
+by group: the matmuls, attention, and the rest, the fusions (GPT-2 at batch 64, H200, at 5b71d82:
+43.3 ms of them in the profile, 145 GB here). Bytes are a lead, not a time: 48 GB fewer by this
+count made the H200's step 3.5 ms shorter, not the 14 ms that 3.4 TB/s would give (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -140,14 +142,16 @@ def train_program(args, rest: list[str], sharding) -> tuple[str, str]:
     from flax import nnx
 
     from bench.sample import CHAR_VOCAB
+    from bench.train import runtime_override, split_bench_args
     from gpt.config import build_train
     from gpt.model import abstract_model
     from gpt.runtime import resolve
     from gpt.train import make_optimizer, make_train_step, moe_training
+    opts, rest = split_bench_args(rest)  # --runtime as bench/train.py's
     m, c, t, explicit = build_train(rest)
     if "vocab_size" not in explicit and t.tokenizer == "char":  # as bench/train.py
         m = dataclasses.replace(m, vocab_size=CHAR_VOCAB)
-    rt = resolve(m, c, _backend(args.target))
+    rt = resolve(m, c, _backend(args.target), **runtime_override(opts["runtime"]))
     model = abstract_model(m, t.seed, rt)  # shapes only
     graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
     tx = make_optimizer(t)
