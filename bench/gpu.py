@@ -57,8 +57,8 @@ TRAIN_FULL = {
     "b64-block": ["--batch_size=64", "--remat=block"],
     "b64": ["--batch_size=64"],
     "b64-res": ["--batch_size=64", "--residual_dtype=compute"],  # the residual stream in bf16
-    # each GPU choice of the step undone, one at a time (bench/train.py --runtime): none of the
-    # three had been timed on a GPU when the bf16 stream measured 45.2% (BENCHMARKS.md)
+    # a choice of the step undone, one at a time (bench/train.py --runtime): none of the three
+    # had been A/B-timed on a GPU when the bf16 stream measured 45.2% (BENCHMARKS.md)
     "b64-res-lse2": ["--batch_size=64", "--residual_dtype=compute", "--runtime=lse_one_pass=false"],
     "b64-res-keep": ["--batch_size=64", "--residual_dtype=compute", "--runtime=mlp_recompute=false"],
     "b64-res-autodiff": ["--batch_size=64", "--residual_dtype=compute", "--runtime=dense_vjp=false"],

@@ -122,7 +122,8 @@ def decode_program(args, sharding) -> tuple[str, str]:
     from gpt.sampling import SamplingSettings, decode, prefill
     cfg = preset_model(args.config)
     backend = _backend(args.target)
-    rt = resolve(cfg, validate_compute(ComputeConfig(dtype=decoding_dtype(args.dtype, backend))), backend)
+    dtype = decoding_dtype(args.dtype or "auto", backend)
+    rt = resolve(cfg, validate_compute(ComputeConfig(dtype=dtype)), backend)
     gd, params = nnx.split(nnx.eval_shape(lambda: for_decoding(GPT(cfg, rngs=nnx.Rngs(0), runtime=rt))))
     params = jax.eval_shape(lambda p: hold_in(p, rt.dtype), params)
     N, B = args.new_tokens, args.batch
@@ -142,16 +143,16 @@ def train_program(args, rest: list[str], sharding) -> tuple[str, str]:
     from flax import nnx
 
     from bench.sample import CHAR_VOCAB
-    from bench.train import runtime_override, split_bench_args
+    from bench.train import runtime_only
     from gpt.config import build_train
     from gpt.model import abstract_model
     from gpt.runtime import resolve
     from gpt.train import make_optimizer, make_train_step, moe_training
-    opts, rest = split_bench_args(rest)  # --runtime as bench/train.py's
-    m, c, t, explicit = build_train(rest)
+    override, rest = runtime_only(rest)  # --runtime as bench/train.py's
+    m, c, t, explicit = build_train(rest + ([f"--dtype={args.dtype}"] if args.dtype else []))
     if "vocab_size" not in explicit and t.tokenizer == "char":  # as bench/train.py
         m = dataclasses.replace(m, vocab_size=CHAR_VOCAB)
-    rt = resolve(m, c, _backend(args.target), **runtime_override(opts["runtime"]))
+    rt = resolve(m, c, _backend(args.target), **override)
     model = abstract_model(m, t.seed, rt)  # shapes only
     graphdef, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
     tx = make_optimizer(t)
@@ -416,8 +417,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--top_k", type=int, default=200)
     ap.add_argument("--new_tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                    help="auto: bfloat16 on a GPU, float32 on a CPU (as sample.py decodes)")
+    ap.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
+                    help="auto (default: decoding; training takes a config's): bfloat16 on a GPU, "
+                         "float32 on a CPU (as sample.py decodes)")
     ap.add_argument("--list", action="store_true", help="every kernel of the loop's body, in order")
     ap.add_argument("--json", default="", help="also write the counts to this file")
     args, rest = ap.parse_known_args(argv)

@@ -30,6 +30,8 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 
+from gpt.errors import run_main  # noqa: E402
+
 # Attention first: cuDNN's flash kernels also name wgmma; cuBLAS's Hopper GEMMs are "nvjet_*".
 GROUPS = [("attention", re.compile(r"cudnn|fmha|flash|sdpa|attention|dot_product", re.I)),
           ("matmul", re.compile(r"gemm|cublas|nvjet|dot|matmul|triton_gemm|wgmma|sm90_xmma", re.I)),
@@ -84,9 +86,9 @@ def report(lines: dict[str, list], steps: int, top: int) -> list[dict]:
         if not re.search(r"XLA Ops|Stream|XLA", line_name) and len(lines) > 1:
             continue
         x = summarise(line_name, evs, steps, top)
-        print(f"\n== {line_name}: {x['events_per_step']:.0f} events/step, busy {x['busy_ms']:.2f} "
-              f"ms/step of a {x['span_ms']:.2f} ms/step span ({100 * x['busy_ms'] / max(x['span_ms'], 1e-9):.0f}%)")
         busy = max(x["busy_ms"], 1e-12)
+        print(f"\n== {line_name}: {x['events_per_step']:.0f} events/step, busy {x['busy_ms']:.2f} "
+              f"ms/step of a {x['span_ms']:.2f} ms/step span ({100 * busy / max(x['span_ms'], 1e-9):.0f}%)")
         print("   " + ", ".join(f"{g} {v:.2f} ms ({100 * v / busy:.0f}%)" for g, v in x["groups"].items()))
         for k in x["top"]:
             print(f"   {k['ms']:8.3f} ms {100 * k['ms'] / busy:5.1f}% x{k['per_step']:5.1f}  "
@@ -108,9 +110,9 @@ def train_step_fn(rest: list[str]):
     bt = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bt)
     from gpt.config import build_train
-    opts, rest = bt.split_bench_args(rest)  # --runtime (its other options do not apply here)
+    override, rest = bt.runtime_only(rest)
     m, c, t, _ = build_train(rest)
-    v = bt.Variant(m, c, t, bt.runtime_override(opts["runtime"]))
+    v = bt.Variant(m, c, t, override)
     return lambda: v.run_steps(1, timed=False)
 
 
@@ -143,11 +145,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--config", default="gpt2")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new_tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default=None, help="the compute dtype (default: a config's, else auto)")
     ap.add_argument("--weights", default="compute", choices=("compute", "float32"))
     args, rest = ap.parse_known_args(argv)
-    # --dtype is train.py's own setting too: a training step gets it back
-    fn = train_step_fn(rest + [f"--dtype={args.dtype}"]) if args.what == "train" else decode_fn(args)
+    if args.what == "train":  # --dtype is train.py's setting too: the step gets it back
+        fn = train_step_fn(rest + ([f"--dtype={args.dtype}"] if args.dtype else []))
+    else:
+        args.dtype = args.dtype or "auto"
+        fn = decode_fn(args)
     for _ in range(2):
         fn()  # compile and warm up
     lines = device_events(trace(fn, args.steps))
@@ -160,4 +165,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_main(main)  # bad settings: one line, exit status 2

@@ -42,7 +42,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from gpt import metrics as metrics_lib  # noqa: E402
-from gpt.config import ComputeConfig, ModelConfig, TrainConfig, build_train, validate_compute  # noqa: E402
+from gpt.config import (ComputeConfig, ModelConfig, TrainConfig, build_train, parse_value,  # noqa: E402
+                        validate_compute)
 from gpt.errors import UserError  # noqa: E402
 from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
 from gpt.runtime import cpu_native_bf16, dtype_note, resolve  # noqa: E402
@@ -51,16 +52,20 @@ from gpt.train import make_optimizer, make_train_step, moe_training  # noqa: E40
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
 BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling_n": int,
               "ceiling_reps": int, "runtime": str}
-# Runtime choices --runtime may override (an A/B of one choice on a GPU, in one call): the
-# cross-entropy's one-pass logsumexp, the MLP activation's recomputation, the dense layers'
-# hand-written backward (the attention kernel is train.py's own --attention)
+# Runtime choices --runtime may override, for an A/B of one choice (on a GPU, in one device
+# call): the cross-entropy's one-pass logsumexp (GPU only), the MLP activation's recomputation and
+# the dense layers' hand-written backward (every backend); the attention kernel is train.py's own
+# --attention
 RUNTIME_KNOBS = ("lse_one_pass", "mlp_recompute", "dense_vjp")
+
+
+BENCH_DEFAULTS = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10,
+                  "runtime": ""}
 
 
 def split_bench_args(argv: list[str]) -> tuple[dict, list[str]]:
     """Pull the bench's own --key=value options out; the rest goes to gpt.config.build."""
-    opts = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10,
-            "runtime": ""}
+    opts = dict(BENCH_DEFAULTS)
     rest = []
     i = 0
     while i < len(argv):
@@ -94,10 +99,18 @@ def runtime_override(text: str) -> dict:
         if key not in RUNTIME_KNOBS or not sep:
             raise UserError(f"--runtime={text}: {item!r} is not KEY=VALUE with KEY one of "
                             f"{', '.join(RUNTIME_KNOBS)}")
-        if raw not in ("true", "false"):
-            raise UserError(f"--runtime: {key}={raw!r} must be true or false")
-        out[key] = raw == "true"
+        out[key] = parse_value(f"runtime {key}", raw, bool)
     return out
+
+
+def runtime_only(argv: list[str]) -> tuple[dict, list[str]]:
+    """(--runtime's override, the rest) for the tools that build bench/train.py's step without
+    timing it (kernel_time, kernel_count); its other options would be ignored there, so refused."""
+    opts, rest = split_bench_args(argv)
+    unused = [k for k, v in opts.items() if k != "runtime" and v != BENCH_DEFAULTS[k]]
+    if unused:
+        raise UserError(f"--{unused[0]} is bench/train.py's timing option; not used here (drop it)")
+    return runtime_override(opts["runtime"]), rest
 
 
 class Variant:

@@ -38,17 +38,22 @@ def test_bench_train_smoke():
 def test_bench_runtime_override():
     """--runtime replaces resolved Runtime choices (a GPU A/B of one choice); anything but a known
     KEY=true|false is one line naming it."""
-    from bench.train import Variant, runtime_override
+    from bench.train import Variant, runtime_only, runtime_override
     from gpt.config import ComputeConfig, TrainConfig
     from gpt.errors import UserError
     from helpers import tiny_model_config
     assert runtime_override("lse_one_pass=false, mlp_recompute=true") == {
         "lse_one_pass": False, "mlp_recompute": True}
     assert runtime_override("") == {}
-    for bad, says in (("foo=1", "foo"), ("dense_vjp", "dense_vjp"), ("dense_vjp=0", "true or false"),
+    assert runtime_override("dense_vjp=0") == {"dense_vjp": False}  # train.py's spellings of a bool
+    for bad, says in (("foo=1", "foo"), ("dense_vjp", "dense_vjp"), ("dense_vjp=maybe", "true or false"),
                       ("dtype=true", "dtype")):
         with pytest.raises(UserError, match=says):
             runtime_override(bad)
+    assert runtime_only(["--runtime=mlp_recompute=false", "--preset=tiny"]) == (
+        {"mlp_recompute": False}, ["--preset=tiny"])
+    with pytest.raises(UserError, match="--chain is bench/train.py's"):  # timing options: not used there
+        runtime_only(["--chain=5", "--preset=tiny"])
     m, c, t = tiny_model_config(), ComputeConfig(), TrainConfig(batch_size=2)
     assert not Variant(m, c, t, {"dense_vjp": False}).rt.dense_vjp and Variant(m, c, t).rt.dense_vjp
 
@@ -458,6 +463,23 @@ def test_kernel_count_of_a_training_step_on_cpu(tmp_path):
     r, out = _kernel_count(tmp_path, "--program=train", "--preset=tiny", "--batch_size=2")
     assert out["kernels_per_step"] == sum(out["kernels"].values()) > 0 and out["program"] == "train"
     assert out["gb"]["other"] > 0 and f"{out['kernels_per_step']} kernels" in r.stdout
+
+
+def test_kernel_count_of_a_training_step_takes_runtime_and_dtype(tmp_path):
+    """--program=train passes --runtime and --dtype on to the step it compiles: the MLP activation
+    kept compiles to other kernels than recomputed; bf16 is named; bench/train.py's timing options and bad
+    values are one line, exit status 2."""
+    common = ("--program=train", "--preset=tiny", "--batch_size=2")
+    _, kept = _kernel_count(tmp_path, *common, "--runtime=mlp_recompute=false")
+    _, recomputed = _kernel_count(tmp_path, *common)
+    assert kept["kernels_per_step"] != recomputed["kernels_per_step"]
+    r, _ = _kernel_count(tmp_path, *common, "--dtype=bfloat16")
+    assert "bfloat16" in r.stdout
+    for bad in ("--chain=2", "--runtime=nope=1"):
+        r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_count.py"), "--target=cpu", *common,
+                            bad], cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
 
 
 def test_kernel_count_refuses_a_gpu_target_without_a_compiler_for_it():
