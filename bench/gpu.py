@@ -20,8 +20,9 @@ suite goes on):
 - xla (not run unless named in --parts): XLA flags that might lift the two GPU targets, each
   setting (--xla_flags, ";" between settings; default XLA_CANDIDATES) added to the environment's
   XLA_FLAGS in its own processes after a baseline with those alone: the headline training step
-  (batch 64) and batch-1 decoding, each against the baseline. A flag this XLA does not know ends
-  only its own runs, and one it has retired (a warning, no effect) is noted in its row.
+  (batch 64) and batch-1 decoding (--xla_programs: one or both), each against the baseline. A
+  flag this XLA does not know ends only its own runs, and one it has retired (a warning, no
+  effect) is noted in its row.
 - profile (not run unless named in --parts): `bench/kernel_time.py`'s device time per kernel
   group and its top kernels, for the headline training step (batch 64, one batch a step), the same
   with the residual stream in bf16, and batch-1 decoding: where the time goes when a target is missed.
@@ -231,18 +232,22 @@ def _figures(rc: int, text: str, read) -> dict:
     return {**row, **({"warning": log_message(retired[0])} if retired else {})}
 
 
-def part_xla(r: Runner, sz: dict, settings: list[str]) -> dict:
-    """The headline training step and batch-1 decoding under each XLA flags setting, added to the
-    environment's XLA_FLAGS (the baseline: those alone); ratios are against the baseline (below
-    1: faster)."""
+def part_xla(r: Runner, sz: dict, settings: list[str], programs: list[str]) -> dict:
+    """The headline training step and batch-1 decoding (those of `programs`) under each XLA flags
+    setting, added to the environment's XLA_FLAGS (the baseline: those alone); ratios are against
+    the baseline (below 1: faster). A program left out is recorded as not run."""
     rows: dict = {}
     r.results["xla_flags_baseline"] = r.env.get("XLA_FLAGS", "")
+    skipped = {"error": "not run (--xla_programs)"}
     for setting in ["", *settings]:
         env = dict(r.env, XLA_FLAGS=f"{r.env.get('XLA_FLAGS', '')} {setting}".strip())
-        rc, text, _ = r.run(train_cmd(sz, sz["xla_train"]), env=env)
-        train = _figures(rc, text, lambda res: {"ms": res["step_ms"], "mfu_vendor": res["mfu_vendor"]})
-        rc, text, _ = r.run(sample_cmd(sz, "1"), env=env)
-        decode = _figures(rc, text, lambda res: {"ms": res["results"][0]["ms_per_step"]})
+        train, decode = dict(skipped), dict(skipped)
+        if "train" in programs:
+            rc, text, _ = r.run(train_cmd(sz, sz["xla_train"]), env=env)
+            train = _figures(rc, text, lambda res: {"ms": res["step_ms"], "mfu_vendor": res["mfu_vendor"]})
+        if "decode" in programs:
+            rc, text, _ = r.run(sample_cmd(sz, "1"), env=env)
+            decode = _figures(rc, text, lambda res: {"ms": res["results"][0]["ms_per_step"]})
         base = rows.get("baseline", {"train": train, "decode": decode})
         for name, now in (("train", train), ("decode", decode)):
             if "ms" in now and "ms" in base[name]:
@@ -421,6 +426,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=int, default=420, help="seconds per process")
     ap.add_argument("--xla_flags", default=";".join(XLA_CANDIDATES),
                     help='the part "xla": settings to compare with the baseline, ";" between them')
+    ap.add_argument("--xla_programs", default="train,decode",
+                    help='the part "xla": which of the training step and batch-1 decoding to time')
     args = ap.parse_args(argv)
     parts = [x for x in args.parts.split(",") if x]
     bad = [x for x in parts if x not in PARTS + EXTRA_PARTS]
@@ -440,11 +447,14 @@ def main(argv: list[str]) -> int:
     sz = sizes(args.size)
     only = [x for x in args.train_variants.split(",") if x]
     settings = [x.strip() for x in args.xla_flags.split(";") if x.strip()]
+    programs = [x for x in args.xla_programs.split(",") if x]
+    if not programs or set(programs) - {"train", "decode"}:
+        ap.error(f"--xla_programs={args.xla_programs}: train, decode or both")
     for part in parts:
         res = {"tests": lambda: part_tests(r, sz), "train": lambda: part_train(r, sz, only),
                "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz),
                "speculative": lambda: part_speculative(r, sz),
-               "xla": lambda: part_xla(r, sz, settings), "profile": lambda: part_profile(r, sz)}[part]()
+               "xla": lambda: part_xla(r, sz, settings, programs), "profile": lambda: part_profile(r, sz)}[part]()
         r.save(part, res)
     print(markdown(r.results))
     return 0

@@ -181,6 +181,25 @@ def test_gpu_suite_compares_xla_flags_with_a_baseline(tmp_path):
     assert "## XLA flags" in md and "no longer supported" in md
 
 
+@pytest.mark.slow  # two tiny decoding runs
+def test_gpu_suite_times_xla_flags_on_decoding_alone(tmp_path):
+    """--xla_programs=decode: each setting times batch-1 decoding only (the training step is the
+    slow half of the part and a decoding flag needs none of it); train's cells say so."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}", "--size=tiny",
+                        "--parts=xla", "--xla_programs=decode", "--xla_flags=--xla_cpu_enable_fast_math=false"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu.json").read_text())["parts"]["xla"]
+    assert list(rows) == ["baseline", "--xla_cpu_enable_fast_math=false"]
+    assert all(x["decode"]["ms"] > 0 and "not run" in x["train"]["error"] for x in rows.values())
+    assert "bench/train.py" not in (tmp_path / "gpu.log").read_text()
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}", "--size=tiny",
+                          "--parts=xla", "--xla_programs=eval"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--xla_programs=eval" in bad.stderr
+
+
 @pytest.mark.slow
 def test_bench_lora_smoke(tmp_path):
     """bench/lora.py end to end at a tiny size: base, LoRA and full fine-tuning, all figures there."""
