@@ -46,7 +46,7 @@ from gpt.config import (ComputeConfig, ModelConfig, TrainConfig, build_train, pa
                         validate_compute)
 from gpt.errors import UserError  # noqa: E402
 from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
-from gpt.runtime import cpu_native_bf16, dtype_note, resolve  # noqa: E402
+from gpt.runtime import cpu_native_bf16, dtype_note, loss_chunks_for, resolve  # noqa: E402
 from gpt.train import make_optimizer, make_train_step, moe_training  # noqa: E402
 
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
@@ -221,8 +221,9 @@ def main(argv: list[str]) -> int:
         print(f"model: {num_params(m) / 1e6:.2f}M params, L={m.n_layer} H={m.n_head} D={m.n_embd} "
               f"T={m.block_size} V={m.vocab_size}; batch {t.batch_size} x accum "
               f"{t.gradient_accumulation_steps}; dropout {c.dropout}; attention {c.attention}; "
-              f"remat {c.remat}; residual stream {c.residual_dtype}"
-              + "".join(f"; {k}={v}" for k, v in override.items()))
+              f"remat {c.remat}; residual stream {c.residual_dtype}; loss in "
+              f"{loss_chunks_for(resolve(m, c, **override).loss_chunks, t.batch_size, m.block_size, m.padded_vocab_size)}"
+              f" slice(s) of T" + "".join(f"; {k}={v}" for k, v in override.items()))
         variants = [Variant(m, validate_compute(dataclasses.replace(c, dtype=d)), t, override)
                     for d in dtypes]
         runs = bench(variants, opts)

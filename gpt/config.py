@@ -88,6 +88,11 @@ class ComputeConfig:
     # float32 | compute: the residual stream (and its gradient) in the compute dtype, as MaxText,
     # Levanter and llm.c keep it; fewer bytes per step on a GPU (BENCHMARKS.md)
     residual_dtype: str = "float32"
+    # How many slices of T the loss forms the head's [B, T, V] logits in, each scored and
+    # differentiated on its own, so neither they nor their gradient are ever whole in memory:
+    # 0 = auto (on CPU, about 128 rows a slice once the vocabulary has 4,096 entries or more,
+    # where it was faster; whole on GPU/TPU), 1 = whole, K = K slices
+    loss_chunks: int = 0
 
 
 @dataclass
@@ -451,6 +456,7 @@ def validate_compute(c: ComputeConfig) -> ComputeConfig:
         raise UserError(f"--dropout={c.dropout} must be in [0, 1)")
     for name in ("dtype", "attention", "remat", "residual_dtype"):
         _check_choice(c, name)
+    _check_positive(c, "loss_chunks", allow_zero=True)
     return c
 
 

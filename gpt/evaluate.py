@@ -24,16 +24,13 @@ def score_tokens(model, ids: np.ndarray, batch_size: int = 8) -> tuple[float, in
     import jax.numpy as jnp
     from flax import nnx
 
-    from gpt.train import cross_entropy
-
     T = model.cfg.block_size
     n_windows = max((len(ids) - 1) // T, 0)
     graphdef, params = nnx.split(model)
 
     @jax.jit
     def window_loss(params, x_BT, y_BT):
-        logits, _ = nnx.merge(graphdef, params)(x_BT)
-        return cross_entropy(logits, y_BT, model.rt.lse_one_pass) * x_BT.size
+        return nnx.merge(graphdef, params).loss(x_BT, y_BT)[0] * x_BT.size
 
     total, count = 0.0, 0
     windows = [ids[i * T:i * T + T + 1] for i in range(n_windows)]

@@ -34,6 +34,7 @@ from gpt import moe as moe_lib
 from gpt import runtime as runtime_lib
 from gpt.config import ModelConfig
 from gpt.ops.attention import attention, cached_attention, repeat_kv_heads
+from gpt.ops.cross_entropy import LinearCE, cross_entropy, linear_cross_entropy
 from gpt.ops.dense import contract_last, decode_dense, dense
 from gpt.ops.dropout import dropout
 from gpt.ops.norm import layer_norm, norm_factors, rms_norm
@@ -466,11 +467,12 @@ class GPT(nnx.Module):
         return logits_BTV, cache
 
     def forward(self, idx_BT: jax.Array, *, cache: KVCache | None = None,
-                dropout_key: jax.Array | None = None, capacity_factor: float = 0.0
+                dropout_key: jax.Array | None = None, capacity_factor: float = 0.0, hidden: bool = False
                 ) -> tuple[jax.Array, KVCache | None, moe_lib.MoEStats | None]:
         """`__call__`, plus the MoE layers' routing figures (each with a leading axis over the MoE
         layers; None for a dense model). `capacity_factor`: the experts' capacity (gpt/moe.py); 0,
-        the default, drops no token."""
+        the default, drops no token. `hidden`: the final norm's output [B, T, D] instead of the
+        logits (`loss` applies the head itself)."""
         cfg = self.cfg
         B, T = idx_BT.shape
         if cache is not None and dropout_key is not None and self.rt.dropout > 0:
@@ -489,14 +491,37 @@ class GPT(nnx.Module):
         x_BTD = dropout(x_BTD, self.rt.dropout, keys[0]).astype(self.rt.residual)
         x_BTD, cache, stats = self._layers(x_BTD, cache, positions_BT, mask_BTS, keys[1], capacity_factor)
         x_BTD = normalize(x_BTD, _norm(self.lnf_scale, self.lnf_bias, self.lnf_alpha), cfg)
+        if hidden:
+            return x_BTD, cache, stats
         rt = self.rt
-        head = self.wte if self.w_head is None else self.w_head
         # Decoding writes float32 logits: a few rows, no backward to save memory for, and greedy
         # picks are not left to bf16 ties.
         out = jnp.float32 if cache is not None else rt.matmul_out
-        logits_BTV = _matmul(rt, out)(x_BTD, head[...], "btd,vd->btv")  # [V, D]: [out, in] already
+        logits_BTV = _matmul(rt, out)(x_BTD, self.head[...], "btd,vd->btv")  # [V, D]: [out, in] already
         valid_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
         return jnp.where(valid_V, logits_BTV, -jnp.inf), cache, stats
+
+    @property
+    def head(self):
+        """The LM head's weight [V, D]: the token embedding's when tied."""
+        return self.wte if self.w_head is None else self.w_head
+
+    def loss(self, idx_BT: jax.Array, targets_BT: jax.Array, *, dropout_key: jax.Array | None = None,
+             capacity_factor: float = 0.0) -> tuple[jax.Array, moe_lib.MoEStats | None]:
+        """(mean next-token cross-entropy against `targets_BT`, the MoE routing figures or None), as
+        `forward` then `cross_entropy` give it. In more than one chunk (`Runtime.loss_chunks`, or
+        the CPU's auto for a large vocabulary, where it was faster: `gpt.runtime.loss_chunks_for`)
+        the head's product is formed inside the loss a slice of T at a time
+        (`linear_cross_entropy`): the [B, T, V] logits and their gradient are never whole."""
+        rt = self.rt
+        chunks = runtime_lib.loss_chunks_for(rt.loss_chunks, *idx_BT.shape, self.cfg.padded_vocab_size)
+        kw = dict(dropout_key=dropout_key, capacity_factor=capacity_factor)
+        if chunks <= 1:
+            logits_BTV, _, stats = self.forward(idx_BT, **kw)
+            return cross_entropy(logits_BTV, targets_BT, rt.lse_one_pass), stats
+        h_BTD, _, stats = self.forward(idx_BT, hidden=True, **kw)
+        s = LinearCE(chunks, self.cfg.vocab_size, rt.dtype, rt.matmul_out, rt.lse_one_pass)
+        return linear_cross_entropy(h_BTD, self.head[...], targets_BT, s), stats
 
     def _layers(self, x_BTD, cache: KVCache | None, positions_BT, mask_BTS, key, capacity_factor: float):
         """The blocks as a scan over groups of layers (`layer_group`: one block for a dense model,

@@ -63,10 +63,33 @@ class Runtime:
     # Without a remat policy, the MLP's activation is recomputed in the backward from fc's product
     # instead of keeping its intermediates (gpt.model.Block.mlp); False keeps them (for A/B timing)
     mlp_recompute: bool = True
+    # The training and evaluation loss forms the head's logits this many slices of T at a time
+    # (gpt.ops.cross_entropy.linear_cross_entropy), never whole: 1 = whole; 0 = by the shapes
+    # (`loss_chunks_for`: the CPU's auto); --loss_chunks
+    loss_chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.decode_weights not in DECODE_WEIGHTS:  # a typo would transpose, then multiply wrongly
             raise ValueError(f"decode_weights={self.decode_weights!r}: one of {DECODE_WEIGHTS}")
+
+
+# The CPU's auto loss chunks (--loss_chunks=0): slices of about this many rows (B x positions),
+# once the padded vocabulary has at least this many entries (BENCHMARKS.md: on XLA:CPU the fused
+# head-and-loss was 1.2-1.5x faster for GPT-2's vocabulary, about even for small ones)
+AUTO_CHUNK_ROWS, AUTO_CHUNK_MIN_VOCAB = 128, 4096
+
+
+def loss_chunks_for(loss_chunks: int, B: int, T: int, V: int) -> int:
+    """The slices of T the loss takes for [B, T] tokens (B: the whole batch, over all devices) and
+    a padded vocabulary of V: `Runtime.loss_chunks` itself (at most T) unless it is 0 (auto), then
+    about AUTO_CHUNK_ROWS rows a slice for a vocabulary of AUTO_CHUNK_MIN_VOCAB or more, else 1
+    (whole)."""
+    if loss_chunks > 0:
+        return min(loss_chunks, T)
+    if V < AUTO_CHUNK_MIN_VOCAB:
+        return 1
+    positions = max(1, round(AUTO_CHUNK_ROWS / B))
+    return -(-T // positions)
 
 
 CPU_BF16_ENV = "GPT_CPU_BF16"  # 1/0 overrides the detection (the tests pin float32 with 0)
@@ -279,5 +302,6 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  decode_weights={"cpu": "rows", "gpu": "dot"}.get(backend, ""),
                  lse_one_pass=backend == "gpu",
                  matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype),
-                 residual=jnp.dtype({"float32": jnp.float32, "compute": dtype}[c.residual_dtype]))
+                 residual=jnp.dtype({"float32": jnp.float32, "compute": dtype}[c.residual_dtype]),
+                 loss_chunks=c.loss_chunks or (0 if backend == "cpu" else 1))
     return dataclasses.replace(rt, **override)

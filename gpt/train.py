@@ -37,8 +37,8 @@ from gpt import sharding
 from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, to_dict
 from gpt.errors import UserError
 from gpt.model import GPT, abstract_model, flops_per_token, num_params
-from gpt.ops.cross_entropy import cross_entropy  # noqa: F401 - also gpt.evaluate's
-from gpt.runtime import Runtime, dtype_note, resolve
+from gpt.ops.cross_entropy import cross_entropy  # noqa: F401 - re-exported (the tests use it)
+from gpt.runtime import Runtime, dtype_note, loss_chunks_for, resolve
 from gpt.tokenizer import REPO_ROOT, atomic_write_bytes, load_tokenizer
 
 BUNDLED_CORPUS = REPO_ROOT / "data" / "shakespeare.txt"
@@ -85,8 +85,7 @@ def loss_fn(graphdef, params, x_BT, y_BT, dropout_key=None, frozen=None) -> jax.
     """Logits at position t are scored against y[t] = x[t + 1] (the loader shifts the targets).
     `frozen`: parameters that are not trained (a LoRA run's base), merged in beside `params`."""
     model = nnx.merge(graphdef, params, frozen) if frozen else nnx.merge(graphdef, params)
-    logits_BTV, _ = model(x_BT, dropout_key=dropout_key)
-    return cross_entropy(logits_BTV, y_BT, model.rt.lse_one_pass)
+    return model.loss(x_BT, y_BT, dropout_key=dropout_key)[0]
 
 
 def objective(graphdef, params, x_BT, y_BT, dropout_key=None, frozen=None,
@@ -96,8 +95,7 @@ def objective(graphdef, params, x_BT, y_BT, dropout_key=None, frozen=None,
     (averaged over the MoE layers) times their coefficients, with the experts' capacity applied."""
     moe = moe or moe_lib.MoETraining()
     model = nnx.merge(graphdef, params, frozen) if frozen else nnx.merge(graphdef, params)
-    logits_BTV, _, stats = model.forward(x_BT, dropout_key=dropout_key, capacity_factor=moe.capacity_factor)
-    ce = cross_entropy(logits_BTV, y_BT, model.rt.lse_one_pass)
+    ce, stats = model.loss(x_BT, y_BT, dropout_key=dropout_key, capacity_factor=moe.capacity_factor)
     if stats is None:
         return ce, (ce, None)
     aux = moe.aux_loss_coef * jnp.mean(stats.aux_loss) + moe.z_loss_coef * jnp.mean(stats.z_loss)
@@ -326,7 +324,7 @@ def _lora_base(t: TrainConfig, m: ModelConfig, explicit: set[str], meta_ck: dict
 # all of them come from the checkpoint, except the per-invocation ones.
 RESUME_MAY_CHANGE = {"data_dir", "input", "max_iters", "lr_decay_iters", "eval_interval", "eval_iters",
                      "log_interval", "ckpt_interval", "keep_checkpoints", "mesh", "dtype", "attention",
-                     "remat", "scan_layers", "residual_dtype"}
+                     "remat", "scan_layers", "residual_dtype", "loss_chunks"}
 PER_INVOCATION = {"out_dir", "init_from", "overwrite", "progress", "distributed", "coordinator_address",
                   "num_processes", "process_id"}
 
@@ -582,8 +580,9 @@ def moe_training(t: TrainConfig) -> moe_lib.MoETraining:
 
 def start_line(s: Setup, state: State, rt: Runtime, mesh) -> str:
     """Model size (a mixture of experts: also the parameters active per token; a LoRA run: its
-    trainable part), state memory, compute dtype."""
+    trainable part), state memory, compute dtype (and what differs from the defaults elsewhere)."""
     m = s.model_cfg
+    chunks = loss_chunks_for(rt.loss_chunks, s.train_cfg.batch_size, m.block_size, m.padded_vocab_size)
     total_b, per_dev_b = sharding.state_bytes((state.params, state.opt_state, state.frozen))
     lora = f" ({lora_lib.describe(s.lora, lora_lib.count(state.params))})" if s.lora else ""
     moe = (f" ({num_params(m, active=True) / 1e6:.2f}M active per token: {m.n_expert_per_token} of "
@@ -591,7 +590,8 @@ def start_line(s: Setup, state: State, rt: Runtime, mesh) -> str:
     return (f"{num_params(m) / 1e6:.2f}M params{moe}{lora}; params+optimizer {total_b / 1e9:.3f} GB "
             f"in all, {per_dev_b / 1e9:.3f} GB per device on {mesh.size} (mesh {dict(mesh.shape)}); "
             f"compute {rt.dtype.name}{dtype_note(rt.dtype)}"
-            + ("" if rt.residual == jnp.float32 else f", residual stream {rt.residual.name}"))
+            + ("" if rt.residual == jnp.float32 else f", residual stream {rt.residual.name}")
+            + ("" if chunks <= 1 else f", loss in {chunks} slices of T"))
 
 
 def log_packing_waste(batches: batches_lib.Batches) -> None:

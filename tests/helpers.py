@@ -69,13 +69,13 @@ def tiny_model_config(**kw):
 
 
 def tiny_runtime(cfg, backend=None, *, dropout=0.0, dtype="float32", remat="none",
-                 scan_layers=False, residual_dtype="float32", **override):
+                 scan_layers=False, residual_dtype="float32", loss_chunks=0, **override):
     """The Runtime of `cfg` run with these ComputeConfig settings (float32 by default); `override`
     replaces resolved fields (attention="reference" picks that kernel)."""
     from gpt.config import ComputeConfig
     from gpt.runtime import resolve
     compute = ComputeConfig(dropout=dropout, dtype=dtype, remat=remat, scan_layers=scan_layers,
-                            residual_dtype=residual_dtype)
+                            residual_dtype=residual_dtype, loss_chunks=loss_chunks)
     return resolve(cfg, compute, backend, **override)
 
 

@@ -70,6 +70,7 @@ def test_unknown_key_suggests_closest():
     (["--remat=all"], "remat"),
     (["--activation=relu"], "activation"),
     (["--beta2=1.0"], "beta2"),
+    (["--loss_chunks=-1"], "loss_chunks"),
 ])
 def test_invalid_values_name_the_field(argv, field):
     with pytest.raises(UserError, match=f"--{field}"):

@@ -371,3 +371,46 @@ def test_for_decoding_is_the_same_model(name, weights):
     (la, ca), (lb, cb) = (call(m, x[:1, :8], cache) for m in (model, dec))
     (la, ca), (lb, cb) = (call(m, x[:1, 8:9], c) for m, c in ((model, ca), (dec, cb)))
     np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "moe"])
+def test_chunked_loss_is_the_same_loss(arch):
+    """GPT.loss with loss_chunks (the head formed inside the loss, 3 slices of T = 8, the last
+    padded) == the logits then cross_entropy, in value and in every gradient: a tied head
+    (GPT-2), an untied one (Llama's w_head) and a mixture of experts through the training
+    objective (capacity applied); the evaluation's scoring agrees too."""
+    from gpt import evaluate, train
+    cfg = tiny_model_config(vocab_size=61, **{
+        "gpt2": {}, "moe": dict(n_expert=4, n_expert_per_token=2),
+        "llama": dict(bias=False, pos_embedding="rope", norm="rmsnorm", mlp="swiglu",
+                      tie_embeddings=False)}[arch])
+    x = tokens(2, 8, 61)
+    results = {}
+    for chunks in (1, 3):
+        model = make(cfg, loss_chunks=chunks, attention="reference")
+        assert model.rt.loss_chunks == chunks
+        gd, params = nnx.split(model)
+        fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining(capacity_factor=1.25))[0]  # noqa: E731
+        jaxpr = str(jax.make_jaxpr(fn)(params))
+        assert ("_linear_ce" in jaxpr) == (chunks > 1)
+        results[chunks] = jax.jit(jax.value_and_grad(fn))(params), \
+            evaluate.score_tokens(model, np.arange(45) % 61, batch_size=2)
+    ((la, ga), sa), ((lb, gb), sb) = results[1], results[3]
+    np.testing.assert_allclose(float(la), float(lb), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), ga, gb)
+    assert sa[1] == sb[1] and abs(sa[0] - sb[0]) < 1e-4 * sa[1]
+
+
+def test_chunked_loss_never_holds_the_logits():
+    """The point of loss_chunks: the compiled training gradient's temporary memory shrinks, a
+    [B, T, V] float32 array less, as the chunks' logits replace the whole (B x T x V = 8 x 64 x
+    4096 here: 8 MB each)."""
+    from gpt import train
+    cfg = tiny_model_config(vocab_size=4096, block_size=64)
+    x = tokens(8, 64, 4096)
+    temp = {}
+    for chunks in (1, 8):
+        gd, params = nnx.split(make(cfg, loss_chunks=chunks))
+        grad = jax.jit(jax.grad(lambda p: train.loss_fn(gd, p, x, x)))
+        temp[chunks] = grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+    assert temp[8] < temp[1] - 8 * 64 * 4096 * 4, temp

@@ -160,3 +160,20 @@ def test_unwritable_compilation_cache_is_one_warning(tmp_path):
     assert r.returncode == 0 and r.stdout.split() == ["None", "None"], r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: no compilation cache") and "GPT_COMPILATION_CACHE" in lines[0]
+
+
+def test_loss_chunks_auto_on_cpu_only():
+    """--loss_chunks=0 (auto): on CPU about AUTO_CHUNK_ROWS rows a slice of T once the padded
+    vocabulary reaches AUTO_CHUNK_MIN_VOCAB (where the fused head-and-loss was faster), else
+    whole; on a GPU whole; an explicit count is taken as it is."""
+    from helpers import tiny_model_config, tiny_runtime
+    from gpt.runtime import AUTO_CHUNK_MIN_VOCAB, loss_chunks_for
+    cfg = tiny_model_config()
+    assert tiny_runtime(cfg, "cpu").loss_chunks == 0 and tiny_runtime(cfg, "gpu").loss_chunks == 1
+    assert tiny_runtime(cfg, "gpu", loss_chunks=4).loss_chunks == 4
+    big = AUTO_CHUNK_MIN_VOCAB
+    assert loss_chunks_for(0, 12, 64, big - 1) == 1  # a small vocabulary: whole
+    assert loss_chunks_for(0, 12, 64, big) == 6  # 11 positions x 12 rows a slice
+    assert loss_chunks_for(0, 32, 128, 50304) == 32 and loss_chunks_for(0, 1, 64, 50304) == 1
+    assert loss_chunks_for(1, 12, 64, 50304) == 1 and loss_chunks_for(5, 12, 64, 65) == 5
+    assert loss_chunks_for(8, 1, 3, 65) == 3  # at most one slice per position (a short tail)

@@ -403,3 +403,43 @@ def test_gqa_sharded_equals_one_device():
         assert dl < 1e-5 and dg < 1e-5, (spec, dl, dg)
         assert "tensor" in q
     assert "tensor" not in out["tensor:4"][2] and "tensor" in out["fsdp:2,tensor:2"][2]
+
+
+_CHUNKED_LOSS_SCRIPT = """
+import json
+import jax, numpy as np
+from flax import nnx
+from gpt import sharding, train
+from gpt.config import ComputeConfig, ModelConfig
+from gpt.model import GPT
+from gpt.runtime import resolve
+cfg = ModelConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=True)
+x = jax.random.randint(jax.random.key(1), (4, 16), 0, 61)
+def run(chunks, spec):
+    model = GPT(cfg, rngs=nnx.Rngs(0), runtime=resolve(cfg, ComputeConfig(loss_chunks=chunks), attention="reference"))
+    gd, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    fn = jax.jit(jax.value_and_grad(lambda p, x: train.loss_fn(gd, p, x, x)))
+    if spec is None:
+        return fn(params, x)
+    mesh = sharding.make_mesh(spec)
+    p = jax.device_put(params, sharding.param_shardings(state, mesh))
+    return fn(p, jax.device_put(x, sharding.batch_sharding(mesh)))
+ref_l, ref_g = run(1, None)
+out = {}
+for spec in ("data:4", "fsdp:2,tensor:2"):
+    l, g = run(3, spec)
+    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)))
+    out[spec] = [abs(float(l) - float(ref_l)), err]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # a 4-device subprocess
+def test_chunked_loss_sharded_equals_one_device():
+    """The loss in slices of T (--loss_chunks) over a batch-sharded and a tensor-parallel mesh ==
+    the whole loss on one device, in value and gradients."""
+    from helpers import run_on_4_cpu_devices
+    out = run_on_4_cpu_devices(_CHUNKED_LOSS_SCRIPT)
+    for spec, (dl, dg) in out.items():
+        assert dl < 1e-5 and dg < 1e-5, (spec, dl, dg)

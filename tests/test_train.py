@@ -117,14 +117,16 @@ def test_resume_keeps_the_runs_settings(tmp_path, char_data):
     defaults); a contradicting flag names both values; max_iters and the like may change."""
     out = tmp_path / "o"
     run(out, char_data, "--max_iters=2", "--eval_interval=2", "--learning_rate=3e-3", "--dropout=0.1",
-        "--seed=7", "--residual_dtype=compute")
+        "--seed=7", "--residual_dtype=compute", "--loss_chunks=2")
     m, c, t, explicit = configs(out, char_data, "--init_from=resume", "--max_iters=4", "--eval_interval=4")
     s = T.prepare_setup(m, c, t, explicit)
     assert (s.train_cfg.learning_rate, s.train_cfg.seed, s.compute_cfg.dropout) == (3e-3, 7, 0.1)
     assert s.train_cfg.max_iters == 4 and s.compute_cfg.residual_dtype == "compute"
-    # precision, like --dtype, may change on resume
-    s = T.prepare_setup(*configs(out, char_data, "--init_from=resume", "--residual_dtype=float32"))
-    assert s.compute_cfg.residual_dtype == "float32"
+    assert s.compute_cfg.loss_chunks == 2
+    # precision, like --dtype, may change on resume (and how the loss is chunked)
+    s = T.prepare_setup(*configs(out, char_data, "--init_from=resume", "--residual_dtype=float32",
+                                 "--loss_chunks=0"))
+    assert s.compute_cfg.residual_dtype == "float32" and s.compute_cfg.loss_chunks == 0
     with pytest.raises(UserError, match=r"--learning_rate=0.01 differs from the run being resumed "
                                         r"\(learning_rate=0.003\)"):
         T.prepare_setup(*configs(out, char_data, "--init_from=resume", "--learning_rate=1e-2"))

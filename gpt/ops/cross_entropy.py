@@ -15,6 +15,7 @@ decides; figures in BENCHMARKS.md).
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,3 +84,93 @@ def _bwd(one_pass, res, g):
 
 
 cross_entropy.defvjp(_fwd, _bwd)
+
+
+class LinearCE(NamedTuple):
+    """The static settings of `linear_cross_entropy`."""
+    chunks: int  # slices of T, each one's logits formed, scored and differentiated on its own
+    vocab_size: int  # entries of the head beyond it (a padded vocabulary) get probability 0
+    dtype: Any  # the products' compute dtype (float32 accumulation)
+    logits_dtype: Any  # what each chunk's logits are written in (Runtime.matmul_out)
+    one_pass: bool = False  # the logsumexp as one reduction (Runtime.lse_one_pass)
+
+
+def linear_cross_entropy(h_BTD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array, s: LinearCE) -> jax.Array:
+    """Mean cross-entropy of the logits h @ w^T against `targets_BT`, the head's product formed
+    `s.chunks` slices of T at a time inside the loss, so the [B, T, V] logits and their gradient
+    are never whole in memory (as Liger's fused linear cross-entropy and MaxText's vocabulary
+    tiling do). With a gradient, each chunk's softmax - one-hot is applied to both products of
+    the head's backward in the forward pass (nothing is recomputed); what the backward gets is
+    the two gradients, scaled by the incoming one. T need not divide into chunks: the last one
+    is padded, its padding masked out. Reverse-mode only (a custom VJP)."""
+    return _linear_ce(h_BTD, w_VD, targets_BT, s)
+
+
+def _in_chunks(a_BT: jax.Array, k: int) -> jax.Array:
+    """[B, T, ...] -> [k, B, C, ...] with C = ceil(T / k), zero-padded at the end of T."""
+    B, T = a_BT.shape[:2]
+    C = -(-T // k)
+    a_BT = jnp.pad(a_BT, [(0, 0), (0, k * C - T)] + [(0, 0)] * (a_BT.ndim - 2))
+    return jnp.moveaxis(a_BT.reshape(B, k, C, *a_BT.shape[2:]), 1, 0)
+
+
+def _chunk_terms(h_BCD, w_VD, y_BC, s: LinearCE):
+    """One chunk's logits (padded vocabulary entries -inf), their logsumexp and the targets'."""
+    logits_BCV = jnp.einsum("bcd,vd->bcv", h_BCD.astype(s.dtype), w_VD,
+                            preferred_element_type=jnp.float32).astype(s.logits_dtype)
+    logits_BCV = jnp.where(jnp.arange(w_VD.shape[0]) < s.vocab_size, logits_BCV, -jnp.inf)
+    lse_BC = (_lse_one_pass if s.one_pass else _lse)(logits_BCV)
+    target_BC = jnp.take_along_axis(logits_BCV, y_BC[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    return logits_BCV, lse_BC, target_BC
+
+
+def _chunked(h_BTD, w_VD, targets_BT, s: LinearCE):
+    """The chunks' inputs: h, the targets and a mask of the real (unpadded) positions; the head in
+    the compute dtype, cast once."""
+    mask_BT = jnp.ones(targets_BT.shape, jnp.float32)
+    return (_in_chunks(h_BTD, s.chunks), _in_chunks(targets_BT, s.chunks),
+            _in_chunks(mask_BT, s.chunks)), w_VD.astype(s.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _linear_ce(h_BTD, w_VD, targets_BT, s: LinearCE):
+    xs, w_VD = _chunked(h_BTD, w_VD, targets_BT, s)
+
+    def body(total, x):
+        h_BCD, y_BC, m_BC = x
+        _, lse_BC, target_BC = _chunk_terms(h_BCD, w_VD, y_BC, s)
+        return total + jnp.sum((lse_BC - target_BC) * m_BC), None
+
+    total, _ = jax.lax.scan(body, jnp.float32(0.0), xs)
+    return total / targets_BT.size
+
+
+def _linear_ce_fwd(h_BTD, w_VD, targets_BT, s: LinearCE):
+    xs, wc_VD = _chunked(h_BTD, w_VD, targets_BT, s)
+    n = targets_BT.size
+
+    def body(carry, x):
+        total, dw_VD = carry
+        h_BCD, y_BC, m_BC = x
+        logits_BCV, lse_BC, target_BC = _chunk_terms(h_BCD, wc_VD, y_BC, s)
+        p_BCV = jnp.exp(logits_BCV.astype(jnp.float32) - lse_BC[..., None])
+        onehot_BCV = jnp.arange(logits_BCV.shape[-1], dtype=jnp.int32) == y_BC[..., None]
+        d_BCV = ((p_BCV - onehot_BCV) * (m_BC[..., None] / n)).astype(s.dtype)
+        dh_BCD = jnp.einsum("bcv,vd->bcd", d_BCV, wc_VD, preferred_element_type=jnp.float32)
+        dw_VD = dw_VD + jnp.einsum("bcv,bcd->vd", d_BCV, h_BCD.astype(s.dtype),
+                                   preferred_element_type=jnp.float32)
+        return (total + jnp.sum((lse_BC - target_BC) * m_BC), dw_VD), dh_BCD.astype(h_BTD.dtype)
+
+    init = (jnp.float32(0.0), jnp.zeros(w_VD.shape, jnp.float32))
+    (total, dw_VD), dh_KBCD = jax.lax.scan(body, init, xs)
+    B, T = targets_BT.shape[:2]
+    dh_BTD = jnp.moveaxis(dh_KBCD, 0, 1).reshape(B, -1, h_BTD.shape[-1])[:, :T]
+    return total / n, (dh_BTD, dw_VD.astype(w_VD.dtype))
+
+
+def _linear_ce_bwd(s, res, g):
+    dh_BTD, dw_VD = res
+    return (g * dh_BTD).astype(dh_BTD.dtype), (g * dw_VD).astype(dw_VD.dtype), None
+
+
+_linear_ce.defvjp(_linear_ce_fwd, _linear_ce_bwd)

@@ -125,6 +125,7 @@ def test_training_takes_the_runtimes_logsumexp(caller):
 
     from helpers import tiny_model_config, tiny_runtime
     from gpt import evaluate, train
+    from gpt import model as model_lib
     from gpt.model import GPT
     cfg = tiny_model_config(vocab_size=61)  # a padded vocabulary: -inf logits
     x = jax.random.randint(jax.random.key(0), (2, 8), 0, 61)
@@ -134,10 +135,10 @@ def test_training_takes_the_runtimes_logsumexp(caller):
         assert rt.lse_one_pass == one_pass
         model = GPT(cfg, rngs=nnx.Rngs(0), runtime=rt)
         gd, params = nnx.split(model)
-        if caller == "score_tokens":  # it imports gpt.train's cross_entropy when called
-            calls, ce = [], train.cross_entropy
+        if caller == "score_tokens":  # through the model's loss (GPT.loss)
+            calls, ce = [], model_lib.cross_entropy
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(train, "cross_entropy", lambda *a: calls.append(a[2:]) or ce(*a))
+                mp.setattr(model_lib, "cross_entropy", lambda *a: calls.append(a[2:]) or ce(*a))
                 evaluate.score_tokens(model, np.arange(40) % 61, batch_size=2)
             assert calls and all(c == (one_pass,) for c in calls), (backend, calls)
             continue
@@ -151,3 +152,43 @@ def test_training_takes_the_runtimes_logsumexp(caller):
         np.testing.assert_allclose(float(la), float(lb), rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), ga, gb)
 
+
+@pytest.mark.parametrize("chunks", [1, 3, 7, 10])  # 3 does not divide T = 7: a padded last chunk
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_linear_cross_entropy_is_the_head_then_the_loss(chunks, one_pass):
+    """linear_cross_entropy(h, w, y) == cross_entropy of the padded-vocabulary logits h @ w^T, in
+    value and in both gradients, for any number of chunks of T (more than T too)."""
+    from gpt.ops.cross_entropy import LinearCE, linear_cross_entropy
+    k = jax.random.split(jax.random.key(3), 3)
+    h, w = jax.random.normal(k[0], (3, 7, 16)), 0.5 * jax.random.normal(k[1], (40, 16))
+    y = jax.random.randint(k[2], (3, 7), 0, 37)
+
+    def reference(h, w):
+        logits = jnp.where(jnp.arange(40) < 37, jnp.einsum("btd,vd->btv", h, w), -jnp.inf)
+        return cross_entropy_reference(logits, y)
+    s = LinearCE(chunks, 37, jnp.dtype("float32"), jnp.dtype("float32"), one_pass)
+    fn = lambda h, w: linear_cross_entropy(h, w, y, s)  # noqa: E731
+    value, grads = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(h, w)
+    ref_value, ref_grads = jax.value_and_grad(reference, argnums=(0, 1))(h, w)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-6)
+    np.testing.assert_allclose(float(jax.jit(fn)(h, w)), float(ref_value), rtol=1e-6)  # no gradient
+    for g, ref in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ref), atol=1e-6)
+
+
+def test_linear_cross_entropy_in_bf16():
+    """Products in bf16 (float32 accumulation) and bf16 chunk logits, as on a GPU: within bf16's
+    rounding of the float32 result; the gradients keep their inputs' dtypes."""
+    from gpt.ops.cross_entropy import LinearCE, linear_cross_entropy
+    k = jax.random.split(jax.random.key(4), 3)
+    h, w = jax.random.normal(k[0], (2, 8, 32)).astype(jnp.bfloat16), 0.3 * jax.random.normal(k[1], (64, 32))
+    y = jax.random.randint(k[2], (2, 8), 0, 64)
+    f32, bf16 = jnp.dtype("float32"), jnp.dtype("bfloat16")
+    exact = jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, y, LinearCE(2, 64, f32, f32)),
+                               argnums=(0, 1))(h.astype(f32), w)
+    value, (gh, gw) = jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, y, LinearCE(2, 64, bf16, bf16)),
+                                         argnums=(0, 1))(h, w)
+    assert gh.dtype == jnp.bfloat16 and gw.dtype == jnp.float32
+    np.testing.assert_allclose(float(value), float(exact[0]), rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(exact[1][1]), atol=2e-3)
+    np.testing.assert_allclose(np.asarray(gh, np.float32), np.asarray(exact[1][0]), atol=2e-3)
