@@ -57,8 +57,6 @@ BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling
 # the dense layers' hand-written backward (every backend); the attention kernel is train.py's own
 # --attention
 RUNTIME_KNOBS = ("lse_one_pass", "mlp_recompute", "dense_vjp")
-
-
 BENCH_DEFAULTS = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10,
                   "runtime": ""}
 
@@ -218,12 +216,13 @@ def main(argv: list[str]) -> int:
         native = jax.default_backend() != "cpu" or cpu_native_bf16()
         print(f"device: {device}; jax {jax.__version__}; bf16 matmuls "
               f"{'native' if native else 'emulated (no AVX512_BF16/AMX): auto picks float32'}")
+        chunks = loss_chunks_for(resolve(m, c, **override).loss_chunks, t.batch_size, m.block_size,
+                                 m.padded_vocab_size)
         print(f"model: {num_params(m) / 1e6:.2f}M params, L={m.n_layer} H={m.n_head} D={m.n_embd} "
               f"T={m.block_size} V={m.vocab_size}; batch {t.batch_size} x accum "
               f"{t.gradient_accumulation_steps}; dropout {c.dropout}; attention {c.attention}; "
-              f"remat {c.remat}; residual stream {c.residual_dtype}; loss in "
-              f"{loss_chunks_for(resolve(m, c, **override).loss_chunks, t.batch_size, m.block_size, m.padded_vocab_size)}"
-              f" slice(s) of T" + "".join(f"; {k}={v}" for k, v in override.items()))
+              f"remat {c.remat}; residual stream {c.residual_dtype}; loss in {chunks} slice(s) of T"
+              + "".join(f"; {k}={v}" for k, v in override.items()))
         variants = [Variant(m, validate_compute(dataclasses.replace(c, dtype=d)), t, override)
                     for d in dtypes]
         runs = bench(variants, opts)

@@ -66,21 +66,29 @@ def _lse_one_pass(logits_BTV: jax.Array) -> jax.Array:
     return m_BT + jnp.log(s_BT)
 
 
-def _fwd(logits_BTV, targets_BT, one_pass):
+def _lse_and_target(logits_BTV, targets_BT, one_pass: bool):
+    """Each row's logsumexp and its target's logit, both float32."""
     lse_BT = (_lse_one_pass if one_pass else _lse)(logits_BTV)
     target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    loss = jnp.mean(lse_BT - target_BT.astype(jnp.float32))
-    return loss, (logits_BTV, targets_BT, lse_BT)
+    return lse_BT, target_BT.astype(jnp.float32)
+
+
+def _softmax_minus_onehot(logits_BTV, lse_BT, targets_BT, scale, dtype):
+    """The gradient of the loss with respect to the logits, (softmax - one-hot) * scale, in one
+    elementwise pass written in `dtype`."""
+    p_BTV = jnp.exp(logits_BTV.astype(jnp.float32) - lse_BT[..., None])
+    onehot_BTV = jnp.arange(logits_BTV.shape[-1], dtype=jnp.int32) == targets_BT[..., None]
+    return ((p_BTV - onehot_BTV) * scale).astype(dtype)
+
+
+def _fwd(logits_BTV, targets_BT, one_pass):
+    lse_BT, target_BT = _lse_and_target(logits_BTV, targets_BT, one_pass)
+    return jnp.mean(lse_BT - target_BT), (logits_BTV, targets_BT, lse_BT)
 
 
 def _bwd(one_pass, res, g):
     logits_BTV, targets_BT, lse_BT = res
-    V = logits_BTV.shape[-1]
-    scale = g / targets_BT.size
-    p_BTV = jnp.exp(logits_BTV.astype(jnp.float32) - lse_BT[..., None])
-    onehot_BTV = jnp.arange(V, dtype=jnp.int32) == targets_BT[..., None]
-    d_BTV = ((p_BTV - onehot_BTV) * scale).astype(logits_BTV.dtype)
-    return d_BTV, None
+    return _softmax_minus_onehot(logits_BTV, lse_BT, targets_BT, g / targets_BT.size, logits_BTV.dtype), None
 
 
 cross_entropy.defvjp(_fwd, _bwd)
@@ -119,9 +127,7 @@ def _chunk_terms(h_BCD, w_VD, y_BC, s: LinearCE):
     logits_BCV = jnp.einsum("bcd,vd->bcv", h_BCD.astype(s.dtype), w_VD,
                             preferred_element_type=jnp.float32).astype(s.logits_dtype)
     logits_BCV = jnp.where(jnp.arange(w_VD.shape[0]) < s.vocab_size, logits_BCV, -jnp.inf)
-    lse_BC = (_lse_one_pass if s.one_pass else _lse)(logits_BCV)
-    target_BC = jnp.take_along_axis(logits_BCV, y_BC[..., None], axis=-1)[..., 0].astype(jnp.float32)
-    return logits_BCV, lse_BC, target_BC
+    return (logits_BCV, *_lse_and_target(logits_BCV, y_BC, s.one_pass))
 
 
 def _chunked(h_BTD, w_VD, targets_BT, s: LinearCE):
@@ -153,9 +159,7 @@ def _linear_ce_fwd(h_BTD, w_VD, targets_BT, s: LinearCE):
         total, dw_VD = carry
         h_BCD, y_BC, m_BC = x
         logits_BCV, lse_BC, target_BC = _chunk_terms(h_BCD, wc_VD, y_BC, s)
-        p_BCV = jnp.exp(logits_BCV.astype(jnp.float32) - lse_BC[..., None])
-        onehot_BCV = jnp.arange(logits_BCV.shape[-1], dtype=jnp.int32) == y_BC[..., None]
-        d_BCV = ((p_BCV - onehot_BCV) * (m_BC[..., None] / n)).astype(s.dtype)
+        d_BCV = _softmax_minus_onehot(logits_BCV, lse_BC, y_BC, m_BC[..., None] / n, s.dtype)
         dh_BCD = jnp.einsum("bcv,vd->bcd", d_BCV, wc_VD, preferred_element_type=jnp.float32)
         dw_VD = dw_VD + jnp.einsum("bcv,bcd->vd", d_BCV, h_BCD.astype(s.dtype),
                                    preferred_element_type=jnp.float32)
