@@ -13,10 +13,10 @@ def main(argv: Sequence[str]) -> int:
         print(help_text(TRAIN_CLASSES))
         return 0
     model_cfg, compute_cfg, train_cfg, explicit = build_train(argv)
-    from gpt import sharding
+    from gpt import distributed, sharding
     if train_cfg.distributed or train_cfg.coordinator_address:
-        sharding.init_distributed(train_cfg.coordinator_address, train_cfg.num_processes,
-                                  train_cfg.process_id)
+        distributed.init_distributed(train_cfg.coordinator_address, train_cfg.num_processes,
+                                     train_cfg.process_id)
     from gpt import train
     from gpt.runtime import use_compilation_cache
     use_compilation_cache()

@@ -9,18 +9,12 @@ import argparse
 import errno
 import re
 import sys
+import traceback
 from typing import Callable, Sequence
 
 
 class UserError(Exception):
     """A problem with the user's input; the message names it and how to fix it."""
-
-
-def fail(message: str) -> None:
-    """Print `error: message` on one line of stderr and exit with status 2."""
-    line = " ".join(str(message).split())
-    print(f"error: {line}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 def quiet_library_logs() -> None:
@@ -52,21 +46,51 @@ def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | 
     quiet_library_logs()
     try:
         code = main(list(sys.argv[1:] if argv is None else argv))
-    except UserError as e:
-        fail(str(e))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    except OSError as e:  # a full disk is the user's to fix, wherever it strikes; other OS errors are bugs
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        where = f" while writing {e.filename}" if e.filename else ""
-        fail(f"{e.strerror}{where}; free space on that disk or choose another output directory")
-    except Exception as e:  # noqa: BLE001 - only device memory exhaustion is the user's to fix
-        if not is_out_of_memory(e):
-            raise
-        fail(out_of_memory_message(e))
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - each is reported (or re-raised) below
+        status, line = failure_line(e)
+        if line is None and not _failure_handler:
+            raise  # a bug: Python's own traceback
+
+        def report() -> None:
+            if line is None:
+                traceback.print_exception(e)
+            else:
+                print(line, file=sys.stderr, flush=True)
+        message = line or f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        if _failure_handler:
+            _failure_handler[0](status, message.removeprefix("error: "), report)  # may exit
+        else:
+            report()
+        sys.exit(status)
     sys.exit(code or 0)
+
+
+def on_failure(handler: Callable[[int, str, Callable[[], None]], None]) -> None:
+    """Hand a command's failure to `handler(exit status, one-line error, report)` instead of
+    printing it: a multi-host job tells its other processes (gpt/distributed.py). The handler
+    calls `report()` to print the error (or not, when the process stops for another reason
+    first), and may exit the process itself."""
+    _failure_handler[:] = [handler]
+
+
+_failure_handler: list[Callable[[int, str, Callable[[], None]], None]] = []  # at most one
+
+
+def failure_line(e: BaseException) -> tuple[int, str | None]:
+    """(exit status, the line to print) for what the user can fix; (1, None) for a bug. A full
+    disk is the user's to fix wherever it strikes, and so is device memory exhaustion."""
+    if isinstance(e, UserError):
+        return 2, "error: " + " ".join(str(e).split())
+    if isinstance(e, KeyboardInterrupt):
+        return 130, "interrupted"
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" while writing {e.filename}" if e.filename else ""
+        return 2, f"error: {e.strerror}{where}; free space on that disk or choose another output directory"
+    if is_out_of_memory(e):
+        return 2, "error: " + " ".join(out_of_memory_message(e).split())
+    return 1, None
 
 
 def is_out_of_memory(e: BaseException) -> bool:

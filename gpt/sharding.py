@@ -15,9 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import os
 import sys
-import threading
 from typing import Any, Callable, TypeVar
 
 import jax
@@ -190,70 +188,6 @@ def state_bytes(tree: Any) -> tuple[int, int]:
             d = shard.device
             per_device[d] = per_device.get(d, 0) + shard.data.size * shard.data.dtype.itemsize
     return total, max(per_device.values(), default=0)
-
-
-def init_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1,
-                     timeout_s: int | None = None) -> None:
-    """`jax.distributed.initialize`, auto-detected on TPU/SLURM or explicit; a clear error on failure.
-
-    Waits at most `timeout_s` (default: $GPT_DISTRIBUTED_TIMEOUT, else 300 s) for every process to
-    join; a process that cannot reach the coordinator stops with a one-line error.
-    """
-    if timeout_s is None:
-        raw = os.environ.get("GPT_DISTRIBUTED_TIMEOUT", "300")
-        try:
-            timeout_s = int(raw)
-        except ValueError:
-            raise UserError(f"GPT_DISTRIBUTED_TIMEOUT={raw!r} must be a whole number of seconds") from None
-        if timeout_s < 1:
-            raise UserError(f"GPT_DISTRIBUTED_TIMEOUT={raw!r} must be at least 1 second")
-    kwargs: dict[str, Any] = {}
-    if coordinator_address:
-        if num_processes < 1 or process_id < 0:
-            raise UserError("--coordinator_address needs --num_processes=N and --process_id=I")
-        if not 0 <= process_id < num_processes:
-            raise UserError(f"--process_id={process_id} must be in [0, {num_processes})")
-        kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
-                      process_id=process_id)
-    elif num_processes or process_id >= 0:
-        raise UserError("--num_processes/--process_id need --coordinator_address=HOST:PORT "
-                        "(or leave all three out on TPU pods and SLURM, where they are detected)")
-    # An unreachable coordinator (or a process that never starts) makes jax's client abort the whole
-    # process with a C++ fatal log once its own deadline passes; a watchdog fires first and exits
-    # with the usual one-line error instead.
-    where = coordinator_address or "the auto-detected coordinator"
-    n = f"all {num_processes}" if num_processes else "all the"
-
-    def give_up() -> None:
-        msg = (f"could not join the distributed job at {where} within {timeout_s}s: not every process "
-               f"connected; check --coordinator_address (reachable from this host, port open), that "
-               f"{n} processes were started, and --num_processes/--process_id (wait longer with "
-               f"GPT_DISTRIBUTED_TIMEOUT=SECONDS)")
-        print(f"error: {msg}", file=sys.stderr, flush=True)
-        os._exit(2)  # from a thread, while the main thread is blocked inside jax
-
-    watchdog = threading.Timer(timeout_s, give_up)
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        jax.distributed.initialize(initialization_timeout=timeout_s + 60, **kwargs)
-    except ValueError as e:
-        if not coordinator_address and "coordinator_address" in str(e):
-            raise UserError("--distributed found no TPU pod, SLURM or MPI job to join; pass "
-                            "--coordinator_address=HOST:PORT --num_processes=N --process_id=I") from None
-        raise _join_error(e, coordinator_address, timeout_s) from None
-    except Exception as e:  # noqa: BLE001 - jax raises several types for an unreachable coordinator
-        raise _join_error(e, coordinator_address, timeout_s) from None
-    finally:
-        watchdog.cancel()
-
-
-def _join_error(e: Exception, coordinator_address: str, timeout_s: int) -> UserError:
-    where = coordinator_address or "the auto-detected coordinator"
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return UserError(f"could not join the distributed job at {where} within {timeout_s}s "
-                     f"({first[:200]}); check --coordinator_address and that every process "
-                     f"was started")
 
 
 def main_process_first(fn: Callable[[], T], others: Callable[[], T]) -> T:

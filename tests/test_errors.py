@@ -42,3 +42,36 @@ def test_device_out_of_memory_is_one_line(capsys):
             raise other
         with pytest.raises(type(other)):
             run_main(bug, [])
+
+
+def test_a_failure_handler_reports_instead(monkeypatch, capsys):
+    """With a handler (a multi-host job's), run_main hands it the exit status, the one-line error
+    and a `report` that prints what run_main would have printed (the line, or a bug's traceback);
+    the handler decides when to print it. Without one, nothing changes."""
+    from gpt import errors
+    import errno
+
+    calls = []
+
+    def handler(status, line, report):
+        calls.append((status, line))
+        report()
+    monkeypatch.setattr(errors, "_failure_handler", [])
+    errors.on_failure(handler)
+    cases = [(UserError("bad  --flag\nvalue"), 2, "bad --flag value", "error: bad --flag value\n"),
+             (OSError(errno.ENOSPC, "No space left on device", "out/x"), 2,
+              "No space left on device while writing out/x; free space on that disk or choose another "
+              "output directory", None),
+             (RuntimeError("a\nbug"), 1, "RuntimeError: a bug", "Traceback"),
+             (KeyboardInterrupt(), 130, "interrupted", "interrupted\n")]
+    for exc, status, line, printed in cases:
+        def main(argv, exc=exc):
+            raise exc
+        with pytest.raises(SystemExit) as e:
+            run_main(main, [])
+        err = capsys.readouterr().err
+        assert e.value.code == status and calls[-1] == (status, line)
+        assert (printed or "error: " + line) in err
+    monkeypatch.setattr(errors, "_failure_handler", [])
+    with pytest.raises(RuntimeError):
+        run_main(lambda argv: (_ for _ in ()).throw(RuntimeError("bug")), [])

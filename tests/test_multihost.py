@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,9 +61,14 @@ def train_losses(out_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in recs if r.get("kind") == "train"]
 
 
+GLOO = re.compile(r"\[Gloo\] Rank |\d+ is connected to \d+ peer ranks\. Expected number of connected "
+                  r"peer ranks is : \d+")
+
+
 def our_lines(output: str) -> list[str]:
-    """What the program printed (gloo's own connection messages removed)."""
-    return [ln for ln in output.splitlines() if ln.strip() and not ln.startswith("[Gloo]")]
+    """What the program printed, without gloo's connection messages (its threads may write them in
+    fragments that interleave: "[Gloo] Rank [Gloo] Rank 1 is ...")."""
+    return [ln for ln in (GLOO.sub("", line) for line in output.splitlines()) if ln.strip()]
 
 
 @pytest.mark.slow
@@ -205,3 +211,60 @@ def test_sigterm_to_one_process_stops_all_at_the_same_step(char_data, tmp_path):
     step = int(saved[0].split("saved step ")[1].split(";")[0])
     from gpt import checkpoint as ckpt
     assert 3 <= step < 400 and ckpt.list_steps(out)[-1] == step
+
+
+FAIL_MID_RUN = '''"""train.py, failing mid-run: the FAIL_AT-th metrics write meets a full disk ("disk", process 0
+writes them) or the FAIL_AT-th step's metrics raise a bug ("bug")."""
+import errno, os, runpy, sys
+from gpt import metrics, train
+kind, at, count = os.environ["FAIL_KIND"], int(os.environ["FAIL_AT"]), [0]
+patched, name = (metrics.MetricsLog, "write") if kind == "disk" else (train, "host_metrics")
+original = getattr(patched, name)
+def failing(*args):
+    count[0] += 1
+    if count[0] == at:
+        if kind == "disk":
+            raise OSError(errno.ENOSPC, "No space left on device", "metrics.jsonl")
+        raise RuntimeError("injected bug")
+    return original(*args)
+setattr(patched, name, failing)
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+'''
+
+
+@pytest.mark.parametrize("kind", ["disk", pytest.param("bug", marks=pytest.mark.slow)])
+def test_a_process_failing_mid_run_stops_the_others_at_once(char_data, tmp_path, kind):
+    """One process stops with an error mid-run (process 0's disk fills while writing metrics; a bug
+    on process 1): it prints its error, every other process prints one line naming it and exits
+    with the same status within seconds, not after jax's 5-minute exit barrier and C++ aborts;
+    the checkpoint saved before is complete."""
+    script = tmp_path / "fail_mid_run.py"
+    script.write_text(FAIL_MID_RUN)
+    port, out = free_port(), tmp_path / "out"
+    failing = 0 if kind == "disk" else 1
+    procs = []
+    for i in (0, 1):
+        args = [*COMMON, f"--data_dir={char_data}", f"--out_dir={out}", "--max_iters=1000", "--log_interval=2",
+                "--eval_interval=4", "--distributed", "--mesh=data:8", f"--coordinator_address=127.0.0.1:{port}",
+                "--num_processes=2", f"--process_id={i}"]
+        cmd = [sys.executable, str(script) if i == failing else "train.py", *args]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=env_with(4, GPT_DISTRIBUTED_TIMEOUT="120", PYTHONPATH=str(REPO),
+                                                   FAIL_KIND=kind, FAIL_AT="4")))
+    t0 = time.monotonic()
+    results = finish(procs, timeout=240)
+    status = 2 if kind == "disk" else 1
+    assert [rc for rc, _ in results] == [status, status], results
+    assert time.monotonic() - t0 < 150
+    (_, mine), (_, other) = results[failing], results[1 - failing]
+    want = ("No space left on device while writing metrics.jsonl" if kind == "disk"
+            else "RuntimeError: injected bug")
+    assert want in our_lines(mine)[-1] and (("Traceback" in mine) == (kind == "bug")), mine[-2000:]
+    errors = [ln for ln in our_lines(other) if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0] == our_lines(other)[-1], other[-2000:]
+    assert errors[0].startswith(f"error: process {failing} stopped ({want}")
+    assert errors[0].endswith("); this process stops too")
+    assert "Traceback" not in other and "Check failure" not in mine + other
+    from gpt import checkpoint as ckpt
+    assert ckpt.list_steps(out) == [4]

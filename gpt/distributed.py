@@ -1,0 +1,242 @@
+"""A multi-host job: joining it, and stopping every process when one of them fails.
+
+`jax.distributed` joins the processes: a coordination service on process 0, a client on each.
+Without more, a process that stops with an error mid-run strands the others: they wait in the
+step's collective for it, and it waits at jax's exit barrier for them, until that barrier's
+5-minute timeout aborts them all with C++ stack traces. So once a process has joined:
+
+- when it stops with an error (`gpt.errors.run_main` hands it to `_leave`), it prints it,
+  posts the line in the coordination service's key-value store, waits until every other process
+  has read it or failed too (at most `READ_WAIT_S`), and exits with its own status at once,
+  skipping the exit barrier;
+- a daemon thread reads that store about once a second; on another process's error it prints
+  `error: process N stopped (its error); this process stops too` and exits with the same status.
+  Process 0 hosts the store, so it leaves last (the others' clients abort when it goes).
+
+A process killed outright (SIGKILL, the kernel's out-of-memory killer) posts nothing: XLA's own
+checks then stop the others, with its messages: at once when process 0 dies, after jax's
+heartbeat timeout (60-100 s here) for another process.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+
+from gpt.errors import UserError, on_failure
+
+FAILED = "gpt/failed/"  # + process index -> {"status": exit status, "error": its line}
+READ = "gpt/read/"  # + process index: it read another's failure and is stopping
+LEFT = "gpt/left/"  # + process index: a failed process, exiting now
+POLL_S = 1.0  # how often each process reads the store
+READ_WAIT_S = 10.0  # how long a failing process waits for the others to read its line
+
+
+@dataclasses.dataclass
+class Job:
+    """This process's view of the job, for the watcher thread and the failure hook."""
+    client: Any  # jax's DistributedRuntimeClient
+    me: int
+    n: int
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)  # a normal exit
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    stopping: bool = False  # set once, under `lock`, by whichever thread reports a failure first
+
+    def claim(self) -> bool:
+        """Whether this thread is the first to stop the process for a failure (so only one
+        error line is printed when this process fails as another's failure arrives)."""
+        with self.lock:
+            first, self.stopping = not self.stopping, True
+        return first
+
+
+def init_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1,
+                     timeout_s: int | None = None) -> None:
+    """`jax.distributed.initialize`, auto-detected on TPU/SLURM or explicit; a clear error on failure.
+
+    Waits at most `timeout_s` (default: $GPT_DISTRIBUTED_TIMEOUT, else 300 s) for every process to
+    join; a process that cannot reach the coordinator stops with a one-line error. Once joined, a
+    process that fails stops the others (the module docstring).
+    """
+    timeout_s = _timeout(timeout_s)
+    kwargs: dict[str, Any] = {}
+    if coordinator_address:
+        if num_processes < 1 or process_id < 0:
+            raise UserError("--coordinator_address needs --num_processes=N and --process_id=I")
+        if not 0 <= process_id < num_processes:
+            raise UserError(f"--process_id={process_id} must be in [0, {num_processes})")
+        kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                      process_id=process_id)
+    elif num_processes or process_id >= 0:
+        raise UserError("--num_processes/--process_id need --coordinator_address=HOST:PORT "
+                        "(or leave all three out on TPU pods and SLURM, where they are detected)")
+    # An unreachable coordinator (or a process that never starts) makes jax's client abort the whole
+    # process with a C++ fatal log once its own deadline passes; a watchdog fires first and exits
+    # with the usual one-line error instead.
+    where = coordinator_address or "the auto-detected coordinator"
+    n = f"all {num_processes}" if num_processes else "all the"
+
+    def give_up() -> None:
+        _exit(2, f"error: could not join the distributed job at {where} within {timeout_s}s: not every "
+                 f"process connected; check --coordinator_address (reachable from this host, port open), "
+                 f"that {n} processes were started, and --num_processes/--process_id (wait longer with "
+                 f"GPT_DISTRIBUTED_TIMEOUT=SECONDS)")
+
+    watchdog = threading.Timer(timeout_s, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(initialization_timeout=timeout_s + 60, **kwargs)
+    except ValueError as e:
+        if not coordinator_address and "coordinator_address" in str(e):
+            raise UserError("--distributed found no TPU pod, SLURM or MPI job to join; pass "
+                            "--coordinator_address=HOST:PORT --num_processes=N --process_id=I") from None
+        raise _join_error(e, coordinator_address, timeout_s) from None
+    except Exception as e:  # noqa: BLE001 - jax raises several types for an unreachable coordinator
+        raise _join_error(e, coordinator_address, timeout_s) from None
+    finally:
+        watchdog.cancel()
+    client = _client()
+    if jax.process_count() > 1 and client is not None:
+        watch(Job(client, jax.process_index(), jax.process_count()))
+
+
+def _timeout(timeout_s: int | None) -> int:
+    if timeout_s is not None:
+        return timeout_s
+    raw = os.environ.get("GPT_DISTRIBUTED_TIMEOUT", "300")
+    try:
+        timeout_s = int(raw)
+    except ValueError:
+        raise UserError(f"GPT_DISTRIBUTED_TIMEOUT={raw!r} must be a whole number of seconds") from None
+    if timeout_s < 1:
+        raise UserError(f"GPT_DISTRIBUTED_TIMEOUT={raw!r} must be at least 1 second")
+    return timeout_s
+
+
+def _join_error(e: Exception, coordinator_address: str, timeout_s: int) -> UserError:
+    where = coordinator_address or "the auto-detected coordinator"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return UserError(f"could not join the distributed job at {where} within {timeout_s}s "
+                     f"({first[:200]}); check --coordinator_address and that every process "
+                     f"was started")
+
+
+def _client() -> Any | None:
+    """jax's client of the coordination service, as Orbax reaches it (jax has no public name for
+    it); None if a jax release moves it, and then failures are not shared (as before this module)."""
+    try:
+        from jax._src import distributed as jax_distributed
+        client = jax_distributed.global_state.client
+    except (ImportError, AttributeError):
+        return None
+    needed = ("key_value_set", "key_value_dir_get")
+    return client if all(hasattr(client, name) for name in needed) else None
+
+
+def watch(job: Job) -> threading.Thread:
+    """Start reading the store for other processes' failures, and have this process's own
+    failure posted there; stop reading at a normal exit, before jax's exit barrier (atexit runs
+    the latest registration first, and jax registered its shutdown at import)."""
+    on_failure(lambda status, line, report: _leave(job, status, line, report))
+    thread = threading.Thread(target=_watch, args=(job,), name="gpt-job-watch", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        job.done.set()
+        thread.join(timeout=2 * POLL_S)
+    atexit.register(stop)
+    return thread
+
+
+def _watch(job: Job) -> None:
+    while not job.done.wait(POLL_S):
+        try:
+            entries = job.client.key_value_dir_get(FAILED)
+        except Exception:  # noqa: BLE001 - the store unreachable: jax's own checks handle that
+            continue
+        others = failures(entries, job.me)
+        if job.done.is_set() or (others and not job.claim()):
+            return  # a normal exit, or this process's own failure is being reported
+        if others:
+            who, status, line = others[0]
+            print(f"error: process {who} stopped ({line}); this process stops too", file=sys.stderr,
+                  flush=True)
+            _post(job, READ + str(job.me), "1")
+            if job.me == 0:  # it hosts the store: the others leave first, or XLA aborts them
+                _wait_for(job, (READ, LEFT))
+            _exit(status)
+
+
+def failures(entries: list[tuple[str, str]], me: int) -> list[tuple[int, int, str]]:
+    """The other processes' posted failures as (process, exit status, line), by process index.
+    The store holds only what our own processes wrote, but a value is still checked before use."""
+    found = []
+    for key, value in entries:
+        who = key.rstrip("/").rsplit("/", 1)[-1]
+        if not who.isdigit() or int(who) == me:
+            continue
+        try:
+            record = json.loads(value)
+        except ValueError:
+            record = {}
+        status = record.get("status") if isinstance(record, dict) else None
+        line = record.get("error") if isinstance(record, dict) else None
+        status = status if isinstance(status, int) and 1 <= status <= 255 else 1
+        line = " ".join(line.split())[:500] if isinstance(line, str) and line.strip() else "no message"
+        found.append((int(who), status, line))
+    return sorted(found)
+
+
+def _leave(job: Job, status: int, line: str, report: Callable[[], None]) -> None:
+    """This process failed: print its error, post it, wait until the others have read it or
+    failed too (process 0, which hosts the store, until they have left), and exit with `status`
+    without jax's exit barrier."""
+    if not job.claim():  # another process's failure is already stopping this one
+        threading.Event().wait()
+    report()
+    _post(job, FAILED + str(job.me), json.dumps({"status": status, "error": line}))
+    _wait_for(job, (READ, LEFT) if job.me == 0 else (READ, LEFT, FAILED))
+    _post(job, LEFT + str(job.me), "1")
+    _exit(status)
+
+
+def _wait_for(job: Job, dirs: tuple[str, ...]) -> None:
+    """Until every other process has a key in one of `dirs`, the store is gone, or READ_WAIT_S."""
+    deadline = time.monotonic() + READ_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            heard = {key.rstrip("/").rsplit("/", 1)[-1] for d in dirs
+                     for key, _ in job.client.key_value_dir_get(d)}
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
+            return
+        if all(str(i) in heard for i in range(job.n) if i != job.me):
+            return
+        time.sleep(0.05)
+
+
+def _post(job: Job, key: str, value: str) -> None:
+    try:
+        job.client.key_value_set(key, value)
+    except Exception:  # noqa: BLE001 - already posted, or the store is gone: nothing more to do
+        pass
+
+
+def _exit(status: int, line: str | None = None) -> None:
+    """Print `line` and end the process now, from any thread: the main thread may be blocked in a
+    collective that will never complete, and the exit barrier would wait for the others."""
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)

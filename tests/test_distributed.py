@@ -1,0 +1,160 @@
+"""gpt.distributed: a failing process posts its error and exits; the others read it and stop with one
+line and the same status; process 0 (which hosts the store) leaves last. Here against an in-memory
+store and threads; tests/test_multihost.py runs real two-process jobs."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from gpt import distributed
+
+
+class Store:
+    """The coordination service's key-value calls that gpt.distributed makes, in memory."""
+
+    def __init__(self):
+        self.kv, self.lock = {}, threading.Lock()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.lock:
+            if key in self.kv and not allow_overwrite:
+                raise RuntimeError(f"ALREADY_EXISTS: {key}")
+            self.kv[key] = value
+
+    def key_value_dir_get(self, prefix):
+        with self.lock:
+            return sorted((k, v) for k, v in self.kv.items() if k.startswith(prefix))
+
+
+class Exited(BaseException):
+    def __init__(self, status):
+        self.status = status
+
+
+@pytest.fixture
+def exits(monkeypatch, capsys):
+    """distributed._exit records (thread name, status) and ends the calling thread instead."""
+    seen = []
+
+    def fake_exit(status, line=None):
+        if line is not None:
+            print(line, file=__import__("sys").stderr)
+        seen.append((threading.current_thread().name, status))
+        raise Exited(status)
+    monkeypatch.setattr(distributed, "_exit", fake_exit)
+    monkeypatch.setattr(distributed, "POLL_S", 0.01)
+    monkeypatch.setattr(distributed, "READ_WAIT_S", 2.0)
+    return seen
+
+
+def leave(job, status, line, printed):
+    try:
+        distributed._leave(job, status, line, lambda: printed.append(line))
+    except Exited:
+        pass
+
+
+def watch(job):
+    t = threading.Thread(target=lambda: _swallow(distributed._watch, job), name=f"watch{job.me}")
+    t.start()
+    return t
+
+
+def _swallow(fn, *args):
+    try:
+        fn(*args)
+    except Exited:
+        pass
+
+
+def test_a_failure_stops_the_others_with_its_status_and_line(exits, capsys):
+    store = Store()
+    jobs = [distributed.Job(store, i, 3) for i in range(3)]
+    watchers = [watch(j) for j in jobs[:2]]  # process 2's main thread fails
+    printed = []
+    failing = threading.Thread(target=leave, args=(jobs[2], 2, "No space left on device", printed),
+                               name="main2")
+    failing.start()
+    failing.join(5)
+    for w in watchers:
+        w.join(5)
+    assert printed == ["No space left on device"]
+    assert sorted(exits) == [("main2", 2), ("watch0", 2), ("watch1", 2)]
+    err = capsys.readouterr().err.splitlines()
+    assert err.count("error: process 2 stopped (No space left on device); this process stops too") == 2
+    kv = dict(store.kv)
+    assert json.loads(kv["gpt/failed/2"]) == {"status": 2, "error": "No space left on device"}
+    assert {"gpt/read/0", "gpt/read/1", "gpt/left/2"} <= set(kv)
+
+
+def test_process_0_leaves_after_the_failed_process(exits, monkeypatch):
+    """Process 0 hosts the store: when another process fails, process 0 exits only once that one
+    has posted that it is leaving."""
+    store = Store()
+    p0, p1 = distributed.Job(store, 0, 2), distributed.Job(store, 1, 2)
+    order = []
+    real_exit = distributed._exit
+
+    def record(status, line=None):
+        order.append(threading.current_thread().name)
+        real_exit(status, line)
+    monkeypatch.setattr(distributed, "_exit", record)
+    w0 = watch(p0)
+    failing = threading.Thread(target=leave, args=(p1, 1, "RuntimeError: a bug", []), name="main1")
+    failing.start()
+    failing.join(5)
+    w0.join(5)
+    assert order == ["main1", "watch0"] and "gpt/left/1" in store.kv
+
+
+def test_failing_together_prints_each_own_line_once(exits):
+    """Every process fails at the same step (a non-finite loss): each prints only its own error and
+    none waits for a reader that will never come."""
+    store = Store()
+    jobs = [distributed.Job(store, i, 2) for i in range(2)]
+    printed = [[], []]
+    watchers = [watch(j) for j in jobs]
+    mains = [threading.Thread(target=leave, args=(j, 2, "the loss became nan", printed[j.me]),
+                              name=f"main{j.me}") for j in jobs]
+    for t in mains:
+        t.start()
+    for t in mains:
+        t.join(5)
+    for j in jobs:
+        j.done.set()
+    for w in watchers:
+        w.join(5)
+    assert printed == [["the loss became nan"], ["the loss became nan"]]
+    assert sorted(exits) == [("main0", 2), ("main1", 2)]
+
+
+def test_a_normal_exit_stops_the_watcher(exits):
+    store = Store()
+    job = distributed.Job(store, 1, 2)
+    w = watch(job)
+    job.done.set()
+    w.join(5)
+    assert not w.is_alive() and exits == []
+
+
+def test_only_one_thread_reports():
+    job = distributed.Job(Store(), 0, 2)
+    assert job.claim() and not job.claim()
+
+
+@pytest.mark.parametrize("value, want", [
+    ('{"status": 2, "error": "bad  data\\nhere"}', (2, "bad data here")),
+    ('{"status": 0, "error": "x"}', (1, "x")),
+    ('{"status": "2", "error": 5}', (1, "no message")),
+    ('[1, 2]', (1, "no message")),
+    ('not json', (1, "no message")),
+    ('{"status": 3, "error": "' + "y" * 900 + '"}', (3, "y" * 500)),
+])
+def test_posted_failures_are_checked(value, want):
+    """What the store holds is read back as data: a status in 1..255 (else 1), one line of at most
+    500 characters; this process's own entry and keys that are not a process index are skipped."""
+    entries = [("gpt/failed/1", value), ("gpt/failed/0", '{"status": 2, "error": "mine"}'),
+               ("gpt/failed/x", '{"status": 2, "error": "?"}')]
+    assert distributed.failures(entries, me=0) == [(1, *want)]
