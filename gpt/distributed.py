@@ -23,20 +23,24 @@ import atexit
 import dataclasses
 import json
 import os
+import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 
-from gpt.errors import UserError, on_failure
+from gpt.errors import Report, UserError, on_failure
 
 FAILED = "gpt/failed/"  # + process index -> {"status": exit status, "error": its line}
 READ = "gpt/read/"  # + process index: it read another's failure and is stopping
 LEFT = "gpt/left/"  # + process index: a failed process, exiting now
 POLL_S = 1.0  # how often each process reads the store
+GRACE_S = 1.0  # another's failure seen: how long this process's own main thread may claim first
 READ_WAIT_S = 10.0  # how long a failing process waits for the others to read its line
+WAIT_POLL_S = 0.2  # how often it looks meanwhile
+EXIT_GRACE_S = 0.5  # process 0, last: the time the others take from their last post to their exit
 
 
 @dataclasses.dataclass
@@ -84,10 +88,11 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
     n = f"all {num_processes}" if num_processes else "all the"
 
     def give_up() -> None:
-        _exit(2, f"error: could not join the distributed job at {where} within {timeout_s}s: not every "
-                 f"process connected; check --coordinator_address (reachable from this host, port open), "
-                 f"that {n} processes were started, and --num_processes/--process_id (wait longer with "
-                 f"GPT_DISTRIBUTED_TIMEOUT=SECONDS)")
+        _say(f"error: could not join the distributed job at {where} within {timeout_s}s: not every "
+             f"process connected; check --coordinator_address (reachable from this host, port open), "
+             f"that {n} processes were started, and --num_processes/--process_id (wait longer with "
+             f"GPT_DISTRIBUTED_TIMEOUT=SECONDS)")
+        _exit(2)
 
     watchdog = threading.Timer(timeout_s, give_up)
     watchdog.daemon = True
@@ -106,6 +111,10 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
     client = _client()
     if jax.process_count() > 1 and client is not None:
         watch(Job(client, jax.process_index(), jax.process_count()))
+    elif jax.process_count() > 1 and jax.process_index() == 0:
+        print("warning: this jax release hides its distributed client, so a process that fails "
+              "mid-run is not announced: the others wait for it until jax's exit barrier times out "
+              "(5 minutes)", file=sys.stderr, flush=True)
 
 
 def _timeout(timeout_s: int | None) -> int:
@@ -157,55 +166,74 @@ def watch(job: Job) -> threading.Thread:
 
 
 def _watch(job: Job) -> None:
+    """The watcher thread: has another process posted a failure? Then stop this one too, after
+    GRACE_S: an error that every process raises at once (a start-up mismatch, a non-finite loss)
+    is then reported by each process's own main thread, as its own line."""
     while not job.done.wait(POLL_S):
         try:
-            entries = job.client.key_value_dir_get(FAILED)
+            others = failures(job.client.key_value_dir_get(FAILED), job.me, job.n)
         except Exception:  # noqa: BLE001 - the store unreachable: jax's own checks handle that
             continue
-        others = failures(entries, job.me)
-        if job.done.is_set() or (others and not job.claim()):
+        if not others:
+            continue
+        if job.done.wait(GRACE_S) or not job.claim():
             return  # a normal exit, or this process's own failure is being reported
-        if others:
-            who, status, line = others[0]
-            print(f"error: process {who} stopped ({line}); this process stops too", file=sys.stderr,
-                  flush=True)
+        who, status, line = others[0]
+        try:
+            _say(f"error: process {who} stopped ({line}); this process stops too")
+            _flush()  # before READ: process 0 may stop the store as soon as it sees it
             _post(job, READ + str(job.me), "1")
             if job.me == 0:  # it hosts the store: the others leave first, or XLA aborts them
                 _wait_for(job, (READ, LEFT))
+        finally:
             _exit(status)
 
 
-def failures(entries: list[tuple[str, str]], me: int) -> list[tuple[int, int, str]]:
+def failures(entries: list[tuple[str, str]], me: int, n: int) -> list[tuple[int, int, str]]:
     """The other processes' posted failures as (process, exit status, line), by process index.
-    The store holds only what our own processes wrote, but a value is still checked before use."""
+    Only our own processes write the store, but what is read back is still checked like input:
+    a process index in [0, n), a status in 1..255 (else 1), one printable line of at most 500
+    characters."""
     found = []
     for key, value in entries:
         who = key.rstrip("/").rsplit("/", 1)[-1]
-        if not who.isdigit() or int(who) == me:
+        if not (who.isascii() and who.isdecimal()) or int(who) == me or int(who) >= n:
             continue
         try:
             record = json.loads(value)
-        except ValueError:
-            record = {}
-        status = record.get("status") if isinstance(record, dict) else None
-        line = record.get("error") if isinstance(record, dict) else None
+        except (ValueError, RecursionError):
+            record = None
+        record = record if isinstance(record, dict) else {}
+        status, line = record.get("status"), record.get("error")
         status = status if isinstance(status, int) and 1 <= status <= 255 else 1
-        line = " ".join(line.split())[:500] if isinstance(line, str) and line.strip() else "no message"
-        found.append((int(who), status, line))
+        line = "".join(c if c.isprintable() else " " for c in line) if isinstance(line, str) else ""
+        found.append((int(who), status, " ".join(line.split())[:500] or "no message"))
     return sorted(found)
 
 
-def _leave(job: Job, status: int, line: str, report: Callable[[], None]) -> None:
-    """This process failed: print its error, post it, wait until the others have read it or
+def _leave(job: Job, status: int, line: str, report: Report) -> None:
+    """This process failed: post its error, print it, wait until the others have read it or
     failed too (process 0, which hosts the store, until they have left), and exit with `status`
-    without jax's exit barrier."""
+    without jax's exit barrier. Whatever goes wrong on the way, the process exits."""
     if not job.claim():  # another process's failure is already stopping this one
         threading.Event().wait()
-    report()
-    _post(job, FAILED + str(job.me), json.dumps({"status": status, "error": line}))
-    _wait_for(job, (READ, LEFT) if job.me == 0 else (READ, LEFT, FAILED))
-    _post(job, LEFT + str(job.me), "1")
-    _exit(status)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this short
+    except ValueError:  # not the main thread
+        pass
+    try:
+        _post(job, FAILED + str(job.me), json.dumps({"status": status, "error": line}))
+        try:
+            report()
+        except (OSError, ValueError):  # stderr on the full disk, or closed
+            pass
+        _flush()  # before LEFT: process 0 may stop the store as soon as it sees it
+        _wait_for(job, (READ, LEFT) if job.me == 0 else (READ, LEFT, FAILED))
+        if job.me == 0:
+            time.sleep(EXIT_GRACE_S)  # the others are between their last post and their exit
+        _post(job, LEFT + str(job.me), "1")
+    finally:
+        _exit(status)
 
 
 def _wait_for(job: Job, dirs: tuple[str, ...]) -> None:
@@ -219,24 +247,36 @@ def _wait_for(job: Job, dirs: tuple[str, ...]) -> None:
             return
         if all(str(i) in heard for i in range(job.n) if i != job.me):
             return
-        time.sleep(0.05)
+        time.sleep(WAIT_POLL_S)
 
 
 def _post(job: Job, key: str, value: str) -> None:
+    """Set a key, once: a key already there, or a store already gone, leaves nothing to do."""
     try:
         job.client.key_value_set(key, value)
-    except Exception:  # noqa: BLE001 - already posted, or the store is gone: nothing more to do
+    except Exception:  # noqa: BLE001 - see the docstring
         pass
 
 
-def _exit(status: int, line: str | None = None) -> None:
-    """Print `line` and end the process now, from any thread: the main thread may be blocked in a
-    collective that will never complete, and the exit barrier would wait for the others."""
-    if line is not None:
-        print(line, file=sys.stderr, flush=True)
+def _say(line: str) -> None:
+    """One line on stderr, starting a line of its own on a terminal (a progress bar may be mid-line
+    there); an unwritable stderr must not keep this process from leaving."""
+    try:
+        print(("\n" if sys.stderr.isatty() else "") + line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
+
+
+def _exit(status: int) -> None:
+    """End the process now, from any thread: the main thread may be blocked in a collective that
+    will never complete, and jax's exit barrier would wait for the others."""
+    _flush()
     os._exit(status)

@@ -41,8 +41,15 @@ def read_json_object(path, what: str) -> dict:
     return data
 
 
+Report = Callable[[], None]  # prints a command's error (its line, or a bug's traceback)
+FailureHandler = Callable[[int, str, Report], None]  # (exit status, one-line error, report)
+_failure_handler: list[FailureHandler] = []  # at most one
+
+
 def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | None = None) -> None:
-    """Run a command's main; turn UserError into one stderr line and exit status 2."""
+    """Run a command's main; what the user can fix (`failure_line`) ends in one stderr line and its
+    exit status, a bug in Python's traceback. A registered failure handler (`on_failure`) is
+    handed either, and prints it itself."""
     quiet_library_logs()
     try:
         code = main(list(sys.argv[1:] if argv is None else argv))
@@ -67,7 +74,7 @@ def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | 
     sys.exit(code or 0)
 
 
-def on_failure(handler: Callable[[int, str, Callable[[], None]], None]) -> None:
+def on_failure(handler: FailureHandler) -> None:
     """Hand a command's failure to `handler(exit status, one-line error, report)` instead of
     printing it: a multi-host job tells its other processes (gpt/distributed.py). The handler
     calls `report()` to print the error (or not, when the process stops for another reason
@@ -75,22 +82,21 @@ def on_failure(handler: Callable[[int, str, Callable[[], None]], None]) -> None:
     _failure_handler[:] = [handler]
 
 
-_failure_handler: list[Callable[[int, str, Callable[[], None]], None]] = []  # at most one
-
-
 def failure_line(e: BaseException) -> tuple[int, str | None]:
-    """(exit status, the line to print) for what the user can fix; (1, None) for a bug. A full
+    """(exit status, the one line to print) for what the user can fix; (1, None) for a bug. A full
     disk is the user's to fix wherever it strikes, and so is device memory exhaustion."""
-    if isinstance(e, UserError):
-        return 2, "error: " + " ".join(str(e).split())
     if isinstance(e, KeyboardInterrupt):
         return 130, "interrupted"
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(e, UserError):
+        message = str(e)
+    elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         where = f" while writing {e.filename}" if e.filename else ""
-        return 2, f"error: {e.strerror}{where}; free space on that disk or choose another output directory"
-    if is_out_of_memory(e):
-        return 2, "error: " + " ".join(out_of_memory_message(e).split())
-    return 1, None
+        message = f"{e.strerror}{where}; free space on that disk or choose another output directory"
+    elif is_out_of_memory(e):
+        message = out_of_memory_message(e)
+    else:
+        return 1, None
+    return 2, "error: " + " ".join(message.split())
 
 
 def is_out_of_memory(e: BaseException) -> bool:

@@ -44,22 +44,34 @@ def exits(monkeypatch, capsys):
         seen.append((threading.current_thread().name, status))
         raise Exited(status)
     monkeypatch.setattr(distributed, "_exit", fake_exit)
-    monkeypatch.setattr(distributed, "POLL_S", 0.01)
-    monkeypatch.setattr(distributed, "READ_WAIT_S", 2.0)
+    for name, value in [("POLL_S", 0.01), ("GRACE_S", 0.02), ("READ_WAIT_S", 2.0), ("WAIT_POLL_S", 0.01),
+                        ("EXIT_GRACE_S", 0.01)]:
+        monkeypatch.setattr(distributed, name, value)
     return seen
 
 
+@pytest.fixture
+def threads():
+    """Start daemon threads; at the end, stop every job's watcher and check that all ended (a
+    protocol that hangs fails here instead of hanging the test run)."""
+    started, jobs = [], []
+
+    def start(target, *args, name):
+        t = threading.Thread(target=lambda: _swallow(target, *args), name=name, daemon=True)
+        t.start()
+        started.append(t)
+        jobs.extend(a for a in args if isinstance(a, distributed.Job))
+        return t
+    yield start
+    for job in jobs:
+        job.done.set()
+    for t in started:
+        t.join(5)
+    assert not [t.name for t in started if t.is_alive()]
+
+
 def leave(job, status, line, printed):
-    try:
-        distributed._leave(job, status, line, lambda: printed.append(line))
-    except Exited:
-        pass
-
-
-def watch(job):
-    t = threading.Thread(target=lambda: _swallow(distributed._watch, job), name=f"watch{job.me}")
-    t.start()
-    return t
+    distributed._leave(job, status, line, lambda: printed.append(line))
 
 
 def _swallow(fn, *args):
@@ -69,15 +81,12 @@ def _swallow(fn, *args):
         pass
 
 
-def test_a_failure_stops_the_others_with_its_status_and_line(exits, capsys):
+def test_a_failure_stops_the_others_with_its_status_and_line(exits, threads, capsys):
     store = Store()
     jobs = [distributed.Job(store, i, 3) for i in range(3)]
-    watchers = [watch(j) for j in jobs[:2]]  # process 2's main thread fails
-    printed = []
-    failing = threading.Thread(target=leave, args=(jobs[2], 2, "No space left on device", printed),
-                               name="main2")
-    failing.start()
-    failing.join(5)
+    watchers = [threads(distributed._watch, j, name=f"watch{j.me}") for j in jobs[:2]]
+    printed = []  # process 2's main thread fails
+    threads(leave, jobs[2], 2, "No space left on device", printed, name="main2").join(5)
     for w in watchers:
         w.join(5)
     assert printed == ["No space left on device"]
@@ -89,7 +98,7 @@ def test_a_failure_stops_the_others_with_its_status_and_line(exits, capsys):
     assert {"gpt/read/0", "gpt/read/1", "gpt/left/2"} <= set(kv)
 
 
-def test_process_0_leaves_after_the_failed_process(exits, monkeypatch):
+def test_process_0_leaves_after_the_failed_process(exits, threads, monkeypatch):
     """Process 0 hosts the store: when another process fails, process 0 exits only once that one
     has posted that it is leaving."""
     store = Store()
@@ -101,39 +110,30 @@ def test_process_0_leaves_after_the_failed_process(exits, monkeypatch):
         order.append(threading.current_thread().name)
         real_exit(status, line)
     monkeypatch.setattr(distributed, "_exit", record)
-    w0 = watch(p0)
-    failing = threading.Thread(target=leave, args=(p1, 1, "RuntimeError: a bug", []), name="main1")
-    failing.start()
-    failing.join(5)
+    w0 = threads(distributed._watch, p0, name="watch0")
+    threads(leave, p1, 1, "RuntimeError: a bug", [], name="main1").join(5)
     w0.join(5)
     assert order == ["main1", "watch0"] and "gpt/left/1" in store.kv
 
 
-def test_failing_together_prints_each_own_line_once(exits):
+def test_failing_together_prints_each_own_line_once(exits, threads):
     """Every process fails at the same step (a non-finite loss): each prints only its own error and
     none waits for a reader that will never come."""
     store = Store()
     jobs = [distributed.Job(store, i, 2) for i in range(2)]
     printed = [[], []]
-    watchers = [watch(j) for j in jobs]
-    mains = [threading.Thread(target=leave, args=(j, 2, "the loss became nan", printed[j.me]),
-                              name=f"main{j.me}") for j in jobs]
-    for t in mains:
-        t.start()
+    for j in jobs:
+        threads(distributed._watch, j, name=f"watch{j.me}")
+    mains = [threads(leave, j, 2, "the loss became nan", printed[j.me], name=f"main{j.me}") for j in jobs]
     for t in mains:
         t.join(5)
-    for j in jobs:
-        j.done.set()
-    for w in watchers:
-        w.join(5)
     assert printed == [["the loss became nan"], ["the loss became nan"]]
     assert sorted(exits) == [("main0", 2), ("main1", 2)]
 
 
-def test_a_normal_exit_stops_the_watcher(exits):
-    store = Store()
-    job = distributed.Job(store, 1, 2)
-    w = watch(job)
+def test_a_normal_exit_stops_the_watcher(exits, threads):
+    job = distributed.Job(Store(), 1, 2)
+    w = threads(distributed._watch, job, name="watch1")
     job.done.set()
     w.join(5)
     assert not w.is_alive() and exits == []
@@ -150,11 +150,29 @@ def test_only_one_thread_reports():
     ('{"status": "2", "error": 5}', (1, "no message")),
     ('[1, 2]', (1, "no message")),
     ('not json', (1, "no message")),
+    ("[" * 100_000 + "]" * 100_000, (1, "no message")),
+    ('{"status": 2, "error": "\\u001b[2Jclear\\u0007"}', (2, "[2Jclear")),
     ('{"status": 3, "error": "' + "y" * 900 + '"}', (3, "y" * 500)),
 ])
 def test_posted_failures_are_checked(value, want):
-    """What the store holds is read back as data: a status in 1..255 (else 1), one line of at most
-    500 characters; this process's own entry and keys that are not a process index are skipped."""
+    """What the store holds is read back as data: a status in 1..255 (else 1), one printable line
+    of at most 500 characters; this process's own entry and keys that are not an index of this
+    job's processes are skipped."""
     entries = [("gpt/failed/1", value), ("gpt/failed/0", '{"status": 2, "error": "mine"}'),
-               ("gpt/failed/x", '{"status": 2, "error": "?"}')]
-    assert distributed.failures(entries, me=0) == [(1, *want)]
+               ("gpt/failed/x", '{"status": 2, "error": "?"}'), ("gpt/failed/\u00b2", "{}"),
+               ("gpt/failed/7", '{"status": 2, "error": "not in this job"}')]
+    assert distributed.failures(entries, me=0, n=3) == [(1, *want)]
+
+
+def test_a_failure_that_cannot_be_printed_still_ends_the_process(exits, threads):
+    """stderr on the full disk: the error is still posted, the others still stop, and this process
+    still exits (not into jax's exit barrier)."""
+    store = Store()
+    p0, p1 = distributed.Job(store, 0, 2), distributed.Job(store, 1, 2)
+    w0 = threads(distributed._watch, p0, name="watch0")
+
+    def unprintable():
+        raise OSError(28, "No space left on device")
+    threads(distributed._leave, p1, 2, "No space left on device", unprintable, name="main1").join(5)
+    w0.join(5)
+    assert sorted(exits) == [("main1", 2), ("watch0", 2)] and "gpt/failed/1" in store.kv

@@ -75,3 +75,15 @@ def test_a_failure_handler_reports_instead(monkeypatch, capsys):
     monkeypatch.setattr(errors, "_failure_handler", [])
     with pytest.raises(RuntimeError):
         run_main(lambda argv: (_ for _ in ()).throw(RuntimeError("bug")), [])
+
+
+def test_a_full_disk_is_one_line_whatever_the_file_name(capsys):
+    import errno
+
+    def main(argv):
+        raise OSError(errno.ENOSPC, "No space left on device", "out/a\nb  c")
+    with pytest.raises(SystemExit) as e:
+        run_main(main, [])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == ("error: No space left on device while writing out/a b c; free space "
+                                         "on that disk or choose another output directory\n")
