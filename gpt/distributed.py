@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -41,6 +41,7 @@ GRACE_S = 1.0  # another's failure seen: how long this process's own main thread
 READ_WAIT_S = 10.0  # how long a failing process waits for the others to read its line
 WAIT_POLL_S = 0.2  # how often it looks meanwhile
 EXIT_GRACE_S = 0.5  # process 0, last: the time the others take from their last post to their exit
+BEFORE_STOP_S = 5.0  # at most this long for before_stopping's callbacks
 
 
 @dataclasses.dataclass
@@ -181,12 +182,37 @@ def _watch(job: Job) -> None:
         who, status, line = others[0]
         try:
             _say(f"error: process {who} stopped ({line}); this process stops too")
+            _run_before_stopping()
             _flush()  # before READ: process 0 may stop the store as soon as it sees it
             _post(job, READ + str(job.me), "1")
             if job.me == 0:  # it hosts the store: the others leave first, or XLA aborts them
                 _wait_for(job, (READ, LEFT))
         finally:
             _exit(status)
+
+
+def before_stopping(callback: Callable[[], None]) -> None:
+    """Have `callback` run (at most BEFORE_STOP_S in all) when another process's failure stops this
+    one: what it buffers (TensorBoard events) is then on disk. The main thread is blocked, in a
+    collective that will not complete, so the callback runs on the watcher's side; a no-op outside
+    a multi-host job."""
+    if jax.process_count() > 1:
+        _before_stopping.append(callback)
+
+
+_before_stopping: list[Callable[[], None]] = []
+
+
+def _run_before_stopping() -> None:
+    def run_all() -> None:
+        for callback in _before_stopping:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - stopping anyway: a flush that fails loses only its buffer
+                pass
+    worker = threading.Thread(target=run_all, name="gpt-before-stopping", daemon=True)
+    worker.start()
+    worker.join(BEFORE_STOP_S)  # a flush hung on a dead file system must not keep the process up
 
 
 def failures(entries: list[tuple[str, str]], me: int, n: int) -> list[tuple[int, int, str]]:

@@ -209,6 +209,12 @@ class MetricsLog:
         fig.savefig(tmp, format="png", dpi=100)
         os.replace(tmp, self.out_dir / "loss.png")
 
+    def flush(self) -> None:
+        """The TensorBoard events buffered since the last flush, to disk (metrics.jsonl is
+        written record by record)."""
+        if self.writer is not None:
+            self.writer.flush()
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

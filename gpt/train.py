@@ -29,6 +29,7 @@ from flax import nnx
 from gpt import checkpoint as ckpt
 from gpt import batches as batches_lib
 from gpt import data as data_lib
+from gpt import distributed
 from gpt import lora as lora_lib
 from gpt import store
 from gpt import metrics as metrics_lib
@@ -570,6 +571,7 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
                                      metrics_lib.vendor_peak_tflops(rt.dtype.name), mesh.size)
     mlog = metrics_lib.MetricsLog(out, resume_step=state.step if t.init_from == "resume" else None,
                                   enabled=sharding.is_main_process())
+    distributed.before_stopping(mlog.flush)  # another process's failure stops this one
     return Run(s, mesh, step_fn, eval_fn, shards, batches, layout, checkpointer, mlog,
                through), state
 

@@ -176,3 +176,16 @@ def test_a_failure_that_cannot_be_printed_still_ends_the_process(exits, threads)
     threads(distributed._leave, p1, 2, "No space left on device", unprintable, name="main1").join(5)
     w0.join(5)
     assert sorted(exits) == [("main1", 2), ("watch0", 2)] and "gpt/failed/1" in store.kv
+
+
+def test_buffered_logs_are_flushed_before_stopping(exits, threads, monkeypatch):
+    """Stopped for another process's failure, this process first runs its before-stopping
+    callbacks (the TensorBoard flush); one that fails or hangs does not keep it from stopping."""
+    ran = []
+    monkeypatch.setattr(distributed, "BEFORE_STOP_S", 0.3)
+    monkeypatch.setattr(distributed, "_before_stopping", [
+        lambda: ran.append("flushed"), lambda: 1 / 0, lambda: threading.Event().wait(), lambda: ran.append("late")])
+    store = Store()
+    store.key_value_set("gpt/failed/1", '{"status": 2, "error": "bad data"}')
+    threads(distributed._watch, distributed.Job(store, 0, 2), name="watch0").join(5)
+    assert ran == ["flushed"] and exits == [("watch0", 2)]

@@ -268,3 +268,5 @@ def test_a_process_failing_mid_run_stops_the_others_at_once(char_data, tmp_path,
     assert "Traceback" not in other and "Check failure" not in mine + other
     from gpt import checkpoint as ckpt
     assert ckpt.list_steps(out) == [4]
+    # Process 0's TensorBoard events (buffered for 30 s) were written out whichever process failed.
+    assert [f.stat().st_size > 0 for f in out.glob("events.out.tfevents.*")] == [True]
