@@ -222,7 +222,7 @@ def failures(entries: list[tuple[str, str]], me: int, n: int) -> list[tuple[int,
     characters."""
     found = []
     for key, value in entries:
-        who = key.rstrip("/").rsplit("/", 1)[-1]
+        who = _process_of(key)
         if not (who.isascii() and who.isdecimal()) or int(who) == me or int(who) >= n:
             continue
         try:
@@ -235,6 +235,11 @@ def failures(entries: list[tuple[str, str]], me: int, n: int) -> list[tuple[int,
         line = "".join(c if c.isprintable() else " " for c in line) if isinstance(line, str) else ""
         found.append((int(who), status, " ".join(line.split())[:500] or "no message"))
     return sorted(found)
+
+
+def _process_of(key: str) -> str:
+    """The process index a key of the store ends in ("gpt/failed/3" -> "3"), as text."""
+    return key.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _leave(job: Job, status: int, line: str, report: Report) -> None:
@@ -267,7 +272,7 @@ def _wait_for(job: Job, dirs: tuple[str, ...]) -> None:
     deadline = time.monotonic() + READ_WAIT_S
     while time.monotonic() < deadline:
         try:
-            heard = {key.rstrip("/").rsplit("/", 1)[-1] for d in dirs
+            heard = {_process_of(key) for d in dirs
                      for key, _ in job.client.key_value_dir_get(d)}
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
             return
