@@ -48,8 +48,8 @@ def main(argv: Sequence[str]) -> int:
     import jax
 
     from gpt.checkpoint import load_model
-    from gpt.runtime import decoding_dtype, use_compilation_cache
-    use_compilation_cache()
+    from gpt.runtime import decoding_dtype, prepare_process
+    prepare_process()
     from gpt.sampling import rolls
 
     cfg.dtype = decoding_dtype(cfg.dtype)

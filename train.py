@@ -18,8 +18,8 @@ def main(argv: Sequence[str]) -> int:
         distributed.init_distributed(train_cfg.coordinator_address, train_cfg.num_processes,
                                      train_cfg.process_id)
     from gpt import train
-    from gpt.runtime import use_compilation_cache
-    use_compilation_cache()
+    from gpt.runtime import prepare_process
+    prepare_process()
     setup = train.prepare_setup(model_cfg, compute_cfg, train_cfg, explicit)
     summary = train.train(setup)
     if "val_loss" in summary:

@@ -76,7 +76,7 @@ from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import (PRESETS, ComputeConfig, ModelConfig, validate_compute,  # noqa: E402
                         validate_model)
 from gpt.model import GPT, for_decoding, num_params  # noqa: E402
-from gpt.runtime import decoding_dtype, resolve  # noqa: E402
+from gpt.runtime import decoding_dtype, resolve, run_cpu_programs_inline  # noqa: E402
 from bench.nocache import full_recompute_generate  # noqa: E402
 from gpt.sampling import SamplingSettings, decode, prefill  # noqa: E402
 from gpt import speculative as spec  # noqa: E402
@@ -475,6 +475,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--spec_tokens", type=int, default=200, help="new tokens of the speculative comparison")
     ap.add_argument("--spec_batch", type=int, default=1)
     args = ap.parse_args(argv)
+    run_cpu_programs_inline()  # as sample.py runs
     args.dtype = decoding_dtype(args.dtype)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.baseline_batches = [int(b) for b in args.baseline_batches.split(",") if b]

@@ -46,7 +46,8 @@ from gpt.config import (ComputeConfig, ModelConfig, TrainConfig, build_train, pa
                         validate_compute)
 from gpt.errors import UserError  # noqa: E402
 from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
-from gpt.runtime import cpu_native_bf16, dtype_note, loss_chunks_for, resolve  # noqa: E402
+from gpt.runtime import (cpu_native_bf16, dtype_note, loss_chunks_for, resolve,  # noqa: E402
+                         run_cpu_programs_inline)
 from gpt.train import make_optimizer, make_train_step, moe_training  # noqa: E402
 
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
@@ -207,6 +208,7 @@ def bench(variants: list[Variant], opts: dict) -> list[dict]:
 def main(argv: list[str]) -> int:
     try:
         opts, rest = split_bench_args(argv)
+        run_cpu_programs_inline()  # as train.py runs
         m, c, t, explicit = build_train(rest)
         if "vocab_size" not in explicit and t.tokenizer == "char":
             m = dataclasses.replace(m, vocab_size=CHAR_VOCAB)

@@ -75,8 +75,8 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--errors", default="strict", choices=["strict", "replace"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     a = p.parse_args(argv)
-    from gpt.runtime import use_compilation_cache
-    use_compilation_cache()
+    from gpt.runtime import prepare_process
+    prepare_process()
     res = evaluate_text(a.out_dir, a.input, a.dtype, a.errors, a.include)
     print(f"step {res['step']}: loss {res['loss']:.4f}, perplexity {res['perplexity']:.2f}, "
           f"bits per byte {res['bpb']:.4f} ({res['tokens']} tokens, {res['bytes']} bytes)",

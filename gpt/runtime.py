@@ -96,6 +96,7 @@ CPU_BF16_ENV = "GPT_CPU_BF16"  # 1/0 overrides the detection (the tests pin floa
 KEEP_MEMORY_ENV = "GPT_KEEP_HOST_MEMORY"  # 0 leaves glibc's allocator as it is (for comparisons)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4  # mallopt parameters (glibc malloc.h)
 _HEAP_MAX = 64 << 20  # glibc's largest heap of a thread's arena (64-bit)
+_NEVER = -1  # M_TRIM_THRESHOLD: never give the heap's top back (mallopt(3))
 
 
 def cpu_flags() -> set[str]:
@@ -125,16 +126,19 @@ def keep_host_memory() -> bool:
     """Let glibc's malloc keep freed memory for reuse instead of unmapping it; True if applied.
 
     XLA:CPU allocates an executable's temporary buffer (tens of MB for the default model's train
-    step, more for bigger ones) with malloc on every call. glibc serves blocks over 32 MB with a
-    fresh mmap and unmaps them on free, so every step page-faulted its whole working set in again:
+    step, gigabytes for bigger ones) with malloc on every call. glibc serves blocks over 32 MB with
+    a fresh mmap and unmaps them on free, so every step page-faulted its whole working set in again:
     the 4-layer default step took 1.7x as long as with the block reused, and a 3-layer model was
-    slower per layer than a 2-layer one (BENCHMARKS.md). With mmap off and the trim threshold at
-    1 GiB the heap keeps the block between calls. XLA's worker threads allocate from arenas of
-    their own, made of heaps of at most 64 MB: a block that does not fit the first heap goes to a
-    second one, which glibc unmaps as soon as it is empty whatever the trim threshold, unless the
-    top pad is at least a heap's size; without that pad, whole 250-step stretches of the default
-    run faulted ~30,000 pages a second and ran 20% slower. The pad reserves address space, not
-    memory: pages are touched only when used. Once per process, before the first step; other C
+    slower per layer than a 2-layer one (BENCHMARKS.md). With mmap off and trimming off the heap
+    keeps the block between calls (a trim threshold of 1 GiB still gave the 3.8 GB of a baby-GPT
+    step back every step). XLA's worker threads allocate from arenas of their own, made of heaps of
+    at most 64 MB: a block that does not fit the first heap goes to a second one, which glibc
+    unmaps as soon as it is empty whatever the trim threshold, unless the top pad is at least a
+    heap's size; without that pad, whole 250-step stretches of the default run faulted ~30,000
+    pages a second and ran 20% slower. A block over 64 MB never fits a thread's heap and is mapped
+    afresh whatever these settings: `run_cpu_programs_inline` keeps the program's own buffer on the
+    main thread. The pad reserves address space, not memory: pages are touched only when used; the
+    heap does stay at the process's peak. Once per process, before the first step; other C
     libraries (musl, macOS) are left alone.
     """
     if os.environ.get(KEEP_MEMORY_ENV) == "0":
@@ -144,8 +148,31 @@ def keep_host_memory() -> bool:
         libc.gnu_get_libc_version  # glibc only: mallopt's parameters below are its own
     except (OSError, AttributeError):
         return False
-    settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, _HEAP_MAX))
+    settings = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER), (_M_TOP_PAD, _HEAP_MAX))
     return all(libc.mallopt(p, v) for p, v in settings)
+
+
+def run_cpu_programs_inline() -> None:
+    """Have JAX's CPU client run a program on the thread that calls it (JAX's async dispatch
+    off). Only takes effect before the client exists: entry points call it first.
+
+    With async dispatch the client runs each program on a worker thread, which allocates the
+    program's temporary buffer from its own malloc arena; glibc maps a block over 64 MB afresh
+    there and unmaps it on free whatever `keep_host_memory` sets, so a baby-GPT train step (3.8 GB)
+    page-faulted a million pages in every step, a quarter of its time (BENCHMARKS.md). On the main
+    thread the block comes from the main heap, which keeps it. Dispatching inline costs the
+    overlap of Python's work with the step's, which measured nothing at the default run's 16 ms
+    steps; programs over several CPU devices (a mesh) stay asynchronous, and GPU/TPU backends
+    are untouched.
+    """
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def prepare_process() -> Path | None:
+    """What train.py, sample.py and gpt.evaluate do first, before anything runs or compiles:
+    `run_cpu_programs_inline` and `use_compilation_cache` (whose folder it returns)."""
+    run_cpu_programs_inline()
+    return use_compilation_cache()
 
 
 CACHE_ENV = "GPT_COMPILATION_CACHE"  # a folder for compiled programs, or 0 to compile every run afresh

@@ -115,6 +115,56 @@ def test_cpu_steps_reuse_their_memory_instead_of_faulting_it_in():
     assert faults < 0.25 * temp_pages, (faults, temp_pages)
 
 
+_BIG_TEMP = """
+import resource, sys
+import jax, jax.numpy as jnp
+from gpt.runtime import keep_host_memory, prepare_process
+if sys.argv[1] == "prepared":
+    prepare_process()
+if not keep_host_memory():
+    sys.exit(3)
+# An 81 MB temporary: the barrier keeps XLA from fusing it away
+f = jax.jit(lambda x: jax.lax.optimization_barrier(jnp.sin(jnp.outer(x, x))).sum(0))
+x = jnp.linspace(0.0, 1.0, 4608)
+c = f.lower(x).compile()
+for _ in range(3):
+    jax.block_until_ready(c(x))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):
+    out = c(x)
+    ready = out.is_ready()
+    jax.block_until_ready(out)
+faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
+print(c.memory_analysis().temp_size_in_bytes, resource.getpagesize(), faults, ready)
+"""
+
+
+def _big_temp_run(mode: str) -> tuple[int, float, float, bool]:
+    """(temporary bytes, pages, faults per warm call, whether a call returned after running)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", _BIG_TEMP, mode], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode == 3:
+        pytest.skip("the allocator tuning is for glibc on Linux")
+    assert r.returncode == 0, r.stderr
+    temp, page, faults, ready = r.stdout.split()
+    return int(temp), int(temp) / int(page), float(faults), ready == "True"
+
+
+def test_cpu_programs_run_inline_so_a_temporary_over_a_thread_heap_is_kept():
+    """A temporary buffer over 64 MB (a baby-GPT step's is 3.8 GB): allocated on JAX's dispatch
+    thread, glibc maps it afresh and page-faults it in on every call whatever mallopt says; run
+    inline (`prepare_process`, as train.py and sample.py start), the main heap keeps it. In fresh
+    processes, since the dispatch mode is fixed when JAX's CPU client is made. Counted, not timed."""
+    temp, pages, faults, ready = _big_temp_run("prepared")
+    assert temp > 64 * 2**20
+    assert ready, "the program returned before it ran: dispatch is still asynchronous"
+    assert faults < 0.25 * pages, (faults, pages)
+    *_, faults_async, _ = _big_temp_run("default")
+    if faults_async < 0.25 * pages:  # this C library keeps the block anyway: nothing to show
+        pytest.skip(f"the asynchronous run faulted only {faults_async:.0f} of {pages:.0f} pages")
+
+
 def test_compilation_cache_folder(monkeypatch, tmp_path):
     """$GPT_COMPILATION_CACHE (0: none), else $XDG_CACHE_HOME/gpt-jax/xla; always in a folder of
     its own per CPU feature set, since JAX's cache key does not name the instruction set."""
