@@ -148,6 +148,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default=None, help="the compute dtype (default: a config's, else auto)")
     ap.add_argument("--weights", default="compute", choices=("compute", "float32"))
     args, rest = ap.parse_known_args(argv)
+    from gpt.runtime import run_cpu_programs_inline
+    run_cpu_programs_inline()  # as train.py and sample.py run
     if args.what == "train":  # --dtype is train.py's setting too: the step gets it back
         fn = train_step_fn(rest + ([f"--dtype={args.dtype}"] if args.dtype else []))
     else:
