@@ -9,8 +9,10 @@ step's collective for it, and it waits at jax's exit barrier for them, until tha
   posts the line in the coordination service's key-value store, waits until every other process
   has read it or failed too (at most `READ_WAIT_S`), and exits with its own status at once,
   skipping the exit barrier;
-- a daemon thread reads that store about once a second; on another process's error it prints
-  `error: process N stopped (its error); this process stops too` and exits with the same status.
+- a daemon thread waits on that store (a long poll on a key of its own, which a failing process
+  sets for every other: one call a minute per process while all is well, not a read a second);
+  on another process's error it prints `error: process N stopped (its error); this process stops
+  too` and exits with the same status.
   Process 0 hosts the store, so it leaves last (the others' clients abort when it goes).
 
 A process killed outright (SIGKILL, the kernel's out-of-memory killer) posts nothing: XLA's own
@@ -36,7 +38,9 @@ from gpt.errors import Report, UserError, on_failure
 FAILED = "gpt/failed/"  # + process index -> {"status": exit status, "error": its line}
 READ = "gpt/read/"  # + process index: it read another's failure and is stopping
 LEFT = "gpt/left/"  # + process index: a failed process, exiting now
-POLL_S = 1.0  # how often each process reads the store
+WAKE = "gpt/wake/"  # + process index: its watcher's long poll returns (a failure, or its own exit)
+WATCH_TIMEOUT_S = 60.0  # a long poll returns at least this often, and the watcher looks anyway
+POLL_S = 1.0  # the least time between two reads of the store by the watcher
 GRACE_S = 1.0  # another's failure seen: how long this process's own main thread may claim first
 READ_WAIT_S = 10.0  # how long a failing process waits for the others to read its line
 WAIT_POLL_S = 0.2  # how often it looks meanwhile
@@ -60,6 +64,12 @@ class Job:
         with self.lock:
             first, self.stopping = not self.stopping, True
         return first
+
+    def stop_watching(self) -> None:
+        """A normal exit: end the watcher's long poll. A call still pending in jax's client when
+        the interpreter finalises aborts the process ("terminate called ...")."""
+        self.done.set()
+        _post(self, WAKE + str(self.me), "exit")
 
 
 def init_distributed(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1,
@@ -147,7 +157,7 @@ def _client() -> Any | None:
         client = jax_distributed.global_state.client
     except (ImportError, AttributeError):
         return None
-    needed = ("key_value_set", "key_value_dir_get")
+    needed = ("key_value_set", "key_value_dir_get", "blocking_key_value_get")
     return client if all(hasattr(client, name) for name in needed) else None
 
 
@@ -160,7 +170,7 @@ def watch(job: Job) -> threading.Thread:
     thread.start()
 
     def stop() -> None:
-        job.done.set()
+        job.stop_watching()
         thread.join(timeout=2 * POLL_S)
     atexit.register(stop)
     return thread
@@ -170,12 +180,18 @@ def _watch(job: Job) -> None:
     """The watcher thread: has another process posted a failure? Then stop this one too, after
     GRACE_S: an error that every process raises at once (a start-up mismatch, a non-finite loss)
     is then reported by each process's own main thread, as its own line."""
-    while not job.done.wait(POLL_S):
+    while not job.done.is_set():
+        started = time.monotonic()
+        _long_poll(job)
+        if job.done.is_set():
+            return
         try:
             others = failures(job.client.key_value_dir_get(FAILED), job.me, job.n)
         except Exception:  # noqa: BLE001 - the store unreachable: jax's own checks handle that
-            continue
+            others = []
         if not others:
+            if time.monotonic() - started < POLL_S:  # answered at once (a store in trouble, a
+                job.done.wait(POLL_S)  # wake key already set): no busy loop
             continue
         if job.done.wait(GRACE_S) or not job.claim():
             return  # a normal exit, or this process's own failure is being reported
@@ -189,6 +205,14 @@ def _watch(job: Job) -> None:
                 _wait_for(job, (READ, LEFT))
         finally:
             _exit(status)
+
+
+def _long_poll(job: Job) -> None:
+    """Wait until this process's wake key is set, or WATCH_TIMEOUT_S."""
+    try:
+        job.client.blocking_key_value_get(WAKE + str(job.me), int(WATCH_TIMEOUT_S * 1000))
+    except Exception:  # noqa: BLE001 - the timeout, or the store unreachable: the caller reads anyway
+        pass
 
 
 def before_stopping(callback: Callable[[], None]) -> None:
@@ -254,6 +278,9 @@ def _leave(job: Job, status: int, line: str, report: Report) -> None:
         pass
     try:
         _post(job, FAILED + str(job.me), json.dumps({"status": status, "error": line}))
+        for i in range(job.n):
+            if i != job.me:
+                _post(job, WAKE + str(i), "failed")
         try:
             report()
         except (OSError, ValueError):  # stderr on the full disk, or closed

@@ -15,16 +15,26 @@ class Store:
     """The coordination service's key-value calls that gpt.distributed makes, in memory."""
 
     def __init__(self):
-        self.kv, self.lock = {}, threading.Lock()
+        self.kv, self.lock = {}, threading.Condition()
+        self.calls = []
 
     def key_value_set(self, key, value, allow_overwrite=False):
         with self.lock:
             if key in self.kv and not allow_overwrite:
                 raise RuntimeError(f"ALREADY_EXISTS: {key}")
             self.kv[key] = value
+            self.lock.notify_all()
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        with self.lock:
+            self.calls.append(("get", key))
+            if not self.lock.wait_for(lambda: key in self.kv, timeout_in_ms / 1000):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+            return self.kv[key]
 
     def key_value_dir_get(self, prefix):
         with self.lock:
+            self.calls.append(("dir", prefix))
             return sorted((k, v) for k, v in self.kv.items() if k.startswith(prefix))
 
 
@@ -64,7 +74,7 @@ def threads():
         return t
     yield start
     for job in jobs:
-        job.done.set()
+        job.stop_watching()
     for t in started:
         t.join(5)
     assert not [t.name for t in started if t.is_alive()]
@@ -132,11 +142,28 @@ def test_failing_together_prints_each_own_line_once(exits, threads):
 
 
 def test_a_normal_exit_stops_the_watcher(exits, threads):
-    job = distributed.Job(Store(), 1, 2)
+    """At a normal exit the watcher's pending long poll is ended (jax's client aborts the process
+    if a call is still pending when the interpreter finalises)."""
+    store = Store()
+    job = distributed.Job(store, 1, 2)
     w = threads(distributed._watch, job, name="watch1")
-    job.done.set()
+    job.stop_watching()
     w.join(5)
-    assert not w.is_alive() and exits == []
+    assert not w.is_alive() and exits == [] and store.kv == {"gpt/wake/1": "exit"}
+
+
+def test_the_watcher_waits_on_the_store_instead_of_reading_it(exits, threads, monkeypatch):
+    """While all is well a watcher makes one call per WATCH_TIMEOUT_S (a long poll), not one read
+    per POLL_S; a failure wakes it at once."""
+    monkeypatch.setattr(distributed, "WATCH_TIMEOUT_S", 0.2)
+    store = Store()
+    w = threads(distributed._watch, distributed.Job(store, 0, 2), name="watch0")
+    threading.Event().wait(1.1)  # 110 reads at the POLL_S of the fixture
+    calls = len(store.calls)
+    assert 4 <= calls <= 12, store.calls  # 5 long polls, each with its read
+    threads(leave, distributed.Job(store, 1, 2), 2, "bad data", [], name="main1").join(5)
+    w.join(5)
+    assert sorted(exits) == [("main1", 2), ("watch0", 2)]
 
 
 def test_only_one_thread_reports():
@@ -187,5 +214,6 @@ def test_buffered_logs_are_flushed_before_stopping(exits, threads, monkeypatch):
         lambda: ran.append("flushed"), lambda: 1 / 0, lambda: threading.Event().wait(), lambda: ran.append("late")])
     store = Store()
     store.key_value_set("gpt/failed/1", '{"status": 2, "error": "bad data"}')
+    store.key_value_set("gpt/wake/0", "failed")  # as process 1's _leave posts it
     threads(distributed._watch, distributed.Job(store, 0, 2), name="watch0").join(5)
     assert ran == ["flushed"] and exits == [("watch0", 2)]
