@@ -13,13 +13,13 @@ def main(argv: Sequence[str]) -> int:
         print(help_text(TRAIN_CLASSES))
         return 0
     model_cfg, compute_cfg, train_cfg, explicit = build_train(argv)
+    from gpt.runtime import prepare_process
+    prepare_process()  # before jax.distributed makes the CPU client
     from gpt import distributed, sharding
     if train_cfg.distributed or train_cfg.coordinator_address:
         distributed.init_distributed(train_cfg.coordinator_address, train_cfg.num_processes,
                                      train_cfg.process_id)
     from gpt import train
-    from gpt.runtime import prepare_process
-    prepare_process()
     setup = train.prepare_setup(model_cfg, compute_cfg, train_cfg, explicit)
     summary = train.train(setup)
     if "val_loss" in summary:

@@ -10,7 +10,7 @@ step's collective for it, and it waits at jax's exit barrier for them, until tha
   has read it or failed too (at most `READ_WAIT_S`), and exits with its own status at once,
   skipping the exit barrier;
 - a daemon thread waits on that store (a long poll on a key of its own, which a failing process
-  sets for every other: one call a minute per process while all is well, not a read a second);
+  sets for every other: one call per 10 s per process while all is well, not a read a second);
   on another process's error it prints `error: process N stopped (its error); this process stops
   too` and exits with the same status.
   Process 0 hosts the store, so it leaves last (the others' clients abort when it goes).
@@ -39,7 +39,7 @@ FAILED = "gpt/failed/"  # + process index -> {"status": exit status, "error": it
 READ = "gpt/read/"  # + process index: it read another's failure and is stopping
 LEFT = "gpt/left/"  # + process index: a failed process, exiting now
 WAKE = "gpt/wake/"  # + process index: its watcher's long poll returns (a failure, or its own exit)
-WATCH_TIMEOUT_S = 60.0  # a long poll returns at least this often, and the watcher looks anyway
+WATCH_TIMEOUT_S = 10.0  # a long poll returns at least this often, and the watcher looks anyway
 POLL_S = 1.0  # the least time between two reads of the store by the watcher
 GRACE_S = 1.0  # another's failure seen: how long this process's own main thread may claim first
 READ_WAIT_S = 10.0  # how long a failing process waits for the others to read its line
@@ -171,7 +171,7 @@ def watch(job: Job) -> threading.Thread:
 
     def stop() -> None:
         job.stop_watching()
-        thread.join(timeout=2 * POLL_S)
+        thread.join(timeout=WATCH_TIMEOUT_S + 2 * POLL_S)  # woken at once unless the post failed
     atexit.register(stop)
     return thread
 
@@ -278,9 +278,7 @@ def _leave(job: Job, status: int, line: str, report: Report) -> None:
         pass
     try:
         _post(job, FAILED + str(job.me), json.dumps({"status": status, "error": line}))
-        for i in range(job.n):
-            if i != job.me:
-                _post(job, WAKE + str(i), "failed")
+        _wake_others(job)
         try:
             report()
         except (OSError, ValueError):  # stderr on the full disk, or closed
@@ -308,12 +306,23 @@ def _wait_for(job: Job, dirs: tuple[str, ...]) -> None:
         time.sleep(WAIT_POLL_S)
 
 
-def _post(job: Job, key: str, value: str) -> None:
-    """Set a key, once: a key already there, or a store already gone, leaves nothing to do."""
+def _wake_others(job: Job) -> None:
+    """End the other processes' long polls, so they read this failure now; a post that fails
+    (the store slow or gone) stops the round, since each would wait as long: those not woken
+    find the failure within WATCH_TIMEOUT_S."""
+    for i in range(job.n):
+        if i != job.me and not _post(job, WAKE + str(i), "failed"):
+            return
+
+
+def _post(job: Job, key: str, value: str) -> bool:
+    """Set a key, once: a key already there, or a store already gone, leaves nothing to do.
+    Whether the store answered (a key already there counts: another process set it)."""
     try:
         job.client.key_value_set(key, value)
-    except Exception:  # noqa: BLE001 - see the docstring
-        pass
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        return "ALREADY_EXISTS" in str(e)
+    return True
 
 
 def _say(line: str) -> None:

@@ -152,6 +152,9 @@ def keep_host_memory() -> bool:
     return all(libc.mallopt(p, v) for p, v in settings)
 
 
+ASYNC_ENV = "JAX_CPU_ENABLE_ASYNC_DISPATCH"  # JAX's own setting of the CPU client's dispatch
+
+
 def run_cpu_programs_inline() -> None:
     """Have JAX's CPU client run a program on the thread that calls it (JAX's async dispatch
     off). Only takes effect before the client exists: entry points call it first.
@@ -163,14 +166,16 @@ def run_cpu_programs_inline() -> None:
     thread the block comes from the main heap, which keeps it. Dispatching inline costs the
     overlap of Python's work with the step's, which measured nothing at the default run's 16 ms
     steps; programs over several CPU devices (a mesh) stay asynchronous, and GPU/TPU backends
-    are untouched.
+    are untouched. A JAX_CPU_ENABLE_ASYNC_DISPATCH of the user's own wins (for comparisons).
     """
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    if ASYNC_ENV not in os.environ:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 def prepare_process() -> Path | None:
-    """What train.py, sample.py and gpt.evaluate do first, before anything runs or compiles:
-    `run_cpu_programs_inline` and `use_compilation_cache` (whose folder it returns)."""
+    """What train.py, sample.py and gpt.evaluate do first, before anything runs or compiles (or
+    joins a multi-host job, which makes the CPU client): `run_cpu_programs_inline` and
+    `use_compilation_cache` (whose folder it returns)."""
     run_cpu_programs_inline()
     return use_compilation_cache()
 

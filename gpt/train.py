@@ -385,7 +385,8 @@ def load_init(src: Path, m: ModelConfig, explicit: set[str]) -> tuple[ModelConfi
 class StopFlag:
     """SIGINT/SIGTERM set a flag; the loop finishes the step (multi-host: the next one), saves and
     exits 0. A second signal is reported and the save goes on (schedulers often repeat SIGTERM); a
-    third aborts at once.
+    third aborts once Python runs again: on CPU, where a step runs on the main thread
+    (`gpt.runtime.run_cpu_programs_inline`), after the step under way.
     In a multi-host job the processes agree on the step to stop at (`agreed`), since a signal
     reaches each process at its own moment and a save is collective."""
 
@@ -768,7 +769,7 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
             prog.tokens += tokens_per_step
             last = state.step == t.max_iters
             if not last:
-                x, y = next_batch(run)  # prefetch while the step runs
+                x, y = next_batch(run)  # prefetch while the step runs (GPU/TPU; on CPU it has run)
             at_log = state.step % t.log_interval == 0 or last
             at_eval = state.step % t.eval_interval == 0 or last
             stopping = stop.agreed()  # read once: a later signal stops a step later

@@ -141,6 +141,21 @@ def test_failing_together_prints_each_own_line_once(exits, threads):
     assert sorted(exits) == [("main0", 2), ("main1", 2)]
 
 
+def test_a_store_that_fails_stops_the_wake_round():
+    """A failing process wakes the others one post at a time; a post the store does not take
+    (slow or gone) ends the round instead of waiting as long for each of thousands."""
+    class Down(Store):
+        def key_value_set(self, key, value, allow_overwrite=False):
+            self.calls.append(("set", key))
+            if key.startswith("gpt/wake/") and key not in self.kv:
+                raise RuntimeError("UNAVAILABLE")
+            super().key_value_set(key, value, allow_overwrite)
+    store = Down()
+    store.kv["gpt/wake/1"] = "exit"  # process 1 already left: an existing key still counts as heard
+    distributed._wake_others(distributed.Job(store, 0, 5))
+    assert store.calls == [("set", "gpt/wake/1"), ("set", "gpt/wake/2")]
+
+
 def test_a_normal_exit_stops_the_watcher(exits, threads):
     """At a normal exit the watcher's pending long poll is ended (jax's client aborts the process
     if a call is still pending when the interpreter finalises)."""

@@ -90,6 +90,7 @@ def test_cpu_steps_reuse_their_memory_instead_of_faulting_it_in():
     Counted, not timed."""
     import platform
     import resource
+    import statistics
 
     import jax
     from flax import nnx
@@ -108,15 +109,16 @@ def test_cpu_steps_reuse_their_memory_instead_of_faulting_it_in():
     assert temp_pages * resource.getpagesize() > 32 * 2**20  # else the test shows nothing
     for _ in range(20):  # the heap grows to hold the step's peak once
         jax.block_until_ready(grad(params))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(4):
+    faults = []  # per call: now and then one faults its block in (the heap grew: a small block
+    for _ in range(8):  # had landed in the freed one), untuned every call does
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         jax.block_until_ready(grad(params))
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4
-    assert faults < 0.25 * temp_pages, (faults, temp_pages)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    assert statistics.median(faults) < 0.25 * temp_pages, (faults, temp_pages)
 
 
 _BIG_TEMP = """
-import resource, sys
+import resource, statistics, sys
 import jax, jax.numpy as jnp
 from gpt.runtime import keep_host_memory, prepare_process
 if sys.argv[1] == "prepared":
@@ -127,20 +129,21 @@ if not keep_host_memory():
 f = jax.jit(lambda x: jax.lax.optimization_barrier(jnp.sin(jnp.outer(x, x))).sum(0))
 x = jnp.linspace(0.0, 1.0, 4608)
 c = f.lower(x).compile()
-for _ in range(3):
-    jax.block_until_ready(c(x))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+faults = []  # per call: the heap now and then grows by a block (a small one landed in the last)
+for _ in range(16):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     out = c(x)
     ready = out.is_ready()
     jax.block_until_ready(out)
-faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 3
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+faults = statistics.median(faults[4:])
 print(c.memory_analysis().temp_size_in_bytes, resource.getpagesize(), faults, ready)
 """
 
 
 def _big_temp_run(mode: str) -> tuple[int, float, float, bool]:
-    """(temporary bytes, pages, faults per warm call, whether a call returned after running)."""
+    """(temporary bytes, pages, median faults of a warm call, whether a call returned after
+    running)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-c", _BIG_TEMP, mode], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
@@ -159,9 +162,9 @@ def test_cpu_programs_run_inline_so_a_temporary_over_a_thread_heap_is_kept():
     temp, pages, faults, ready = _big_temp_run("prepared")
     assert temp > 64 * 2**20
     assert ready, "the program returned before it ran: dispatch is still asynchronous"
-    assert faults < 0.25 * pages, (faults, pages)
+    assert faults < 0.1 * pages, (faults, pages)  # asynchronous: every call (below)
     *_, faults_async, _ = _big_temp_run("default")
-    if faults_async < 0.25 * pages:  # this C library keeps the block anyway: nothing to show
+    if faults_async < 0.9 * pages:  # this C library keeps the block anyway: nothing to show
         pytest.skip(f"the asynchronous run faulted only {faults_async:.0f} of {pages:.0f} pages")
 
 
