@@ -223,6 +223,13 @@ def _add_bias(y: jax.Array, p: nnx.Param | jax.Array | None) -> jax.Array:
     return y if p is None else (y.astype(jnp.float32) + p[...]).astype(y.dtype)
 
 
+def _unstack(x: jax.Array, n: int, split: bool) -> list[jax.Array]:
+    """x[:, :, i] for i < n (the fused projection's q/k/v axis), by a split or by indexing."""
+    if split:
+        return [a[:, :, 0] for a in jnp.split(x, n, axis=2)]
+    return [x[:, :, i] for i in range(n)]
+
+
 def _param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
     """A float32 parameter with its logical axes (`gpt.sharding` maps them onto a mesh). Placement is
     decided by the trainer, so the parameter is created unsharded (no eager sharding)."""
@@ -341,15 +348,20 @@ class Block(nnx.Module):
         key = None if key is None else jax.random.fold_in(key, lora_lib.WEIGHTS.index(name))
         return y + lora_lib.update(x, a, b, spec, self.lora, mm, key)
 
-    def qkv(self, h_BTD, positions_BT, cfg: ModelConfig, mm, key=None):
-        """Queries [B, T, H, K] and keys/values [B, T, G, K]: projected, QK-normed, rotated."""
+    def qkv(self, h_BTD, positions_BT, cfg: ModelConfig, mm, key=None, split: bool = False):
+        """Queries [B, T, H, K] and keys/values [B, T, G, K]: projected, QK-normed, rotated.
+
+        `split` (the CPU's choice): take them apart with a split, whose gradient is one
+        concatenation; indexing's is three zero-padded copies summed, which XLA:CPU ran as one
+        single-threaded pass of three times the work (8% of a bf16 baby-GPT step). On a GPU the
+        indexing compiles to fewer kernels and bytes (BENCHMARKS.md)."""
         if self.w_qkv is not None:
             qkv_BT3HK = _add_bias(self.linear("w_qkv", h_BTD, SPECS["w_qkv"], mm, key), self.b_qkv)
-            q_BTHK, k_BTGK, v_BTGK = (qkv_BT3HK[:, :, i] for i in range(3))
+            q_BTHK, k_BTGK, v_BTGK = _unstack(qkv_BT3HK, 3, split)
         else:
             q_BTHK = _add_bias(self.linear("w_q", h_BTD, SPECS["w_q"], mm, key), self.b_q)
             kv_BT2GK = _add_bias(self.linear("w_kv", h_BTD, SPECS["w_kv"], mm, key), self.b_kv)
-            k_BTGK, v_BTGK = kv_BT2GK[:, :, 0], kv_BT2GK[:, :, 1]
+            k_BTGK, v_BTGK = _unstack(kv_BT2GK, 2, split)
         if cfg.qk_norm:  # per head, before the rotation (Qwen3)
             q_BTHK = rms_norm(q_BTHK, self.q_norm[...], cfg.norm_eps)
             k_BTGK = rms_norm(k_BTGK, self.k_norm[...], cfg.norm_eps)
@@ -390,7 +402,8 @@ class Block(nnx.Module):
 
         h_BTD = self.norm_in(x_BTD, "ln1", cfg, rt)
         q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
-                                  for a in self.qkv(h_BTD, positions_BT, cfg, mm, lora_key))
+                                  for a in self.qkv(h_BTD, positions_BT, cfg, mm, lora_key,
+                                                    split=rt.cpu_layouts))
         if cache_write is None:
             k_BTHK, v_BTHK = (repeat_kv_heads(a, cfg.n_head) for a in (k_BTGK, v_BTGK))
             y_BTHK = attention(q_BTHK, k_BTHK, v_BTHK, None, rt.attention, cpu_layouts=rt.cpu_layouts,
