@@ -353,7 +353,7 @@ class Block(nnx.Module):
 
         `split` (the CPU's choice): take them apart with a split, whose gradient is one
         concatenation; indexing's is three zero-padded copies summed, which XLA:CPU ran as one
-        single-threaded pass of three times the work (8% of a bf16 baby-GPT step). On a GPU the
+        slow pass of three times the work (8% of a bf16 baby-GPT step). On a GPU the
         indexing compiles to fewer kernels and bytes (BENCHMARKS.md)."""
         if self.w_qkv is not None:
             qkv_BT3HK = _add_bias(self.linear("w_qkv", h_BTD, SPECS["w_qkv"], mm, key), self.b_qkv)
