@@ -46,6 +46,8 @@ READ_WAIT_S = 10.0  # how long a failing process waits for the others to read it
 WAIT_POLL_S = 0.2  # how often it looks meanwhile
 EXIT_GRACE_S = 0.5  # process 0, last: the time the others take from their last post to their exit
 BEFORE_STOP_S = 5.0  # at most this long for before_stopping's callbacks
+HEARTBEAT_ENV = "GPT_DISTRIBUTED_HEARTBEAT"  # seconds without a heartbeat before a process is dead
+HEARTBEAT_S = 100  # jax's default: a process killed outright stops the others after 60-100 s
 
 
 @dataclasses.dataclass
@@ -81,6 +83,7 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
     process that fails stops the others (the module docstring).
     """
     timeout_s = _timeout(timeout_s)
+    heartbeat_s = _seconds(HEARTBEAT_ENV, HEARTBEAT_S)
     kwargs: dict[str, Any] = {}
     if coordinator_address:
         if num_processes < 1 or process_id < 0:
@@ -109,7 +112,8 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
     watchdog.daemon = True
     watchdog.start()
     try:
-        jax.distributed.initialize(initialization_timeout=timeout_s + 60, **kwargs)
+        jax.distributed.initialize(initialization_timeout=timeout_s + 60,
+                                   heartbeat_timeout_seconds=heartbeat_s, **kwargs)
     except ValueError as e:
         if not coordinator_address and "coordinator_address" in str(e):
             raise UserError("--distributed found no TPU pod, SLURM or MPI job to join; pass "
@@ -129,16 +133,19 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
 
 
 def _timeout(timeout_s: int | None) -> int:
-    if timeout_s is not None:
-        return timeout_s
-    raw = os.environ.get("GPT_DISTRIBUTED_TIMEOUT", "300")
+    return timeout_s if timeout_s is not None else _seconds("GPT_DISTRIBUTED_TIMEOUT", 300)
+
+
+def _seconds(name: str, default: int) -> int:
+    """A whole number of seconds, at least 1, from environment variable `name` (else `default`)."""
+    raw = os.environ.get(name, str(default))
     try:
-        timeout_s = int(raw)
+        value = int(raw)
     except ValueError:
-        raise UserError(f"GPT_DISTRIBUTED_TIMEOUT={raw!r} must be a whole number of seconds") from None
-    if timeout_s < 1:
-        raise UserError(f"GPT_DISTRIBUTED_TIMEOUT={raw!r} must be at least 1 second")
-    return timeout_s
+        raise UserError(f"{name}={raw!r} must be a whole number of seconds") from None
+    if value < 1:
+        raise UserError(f"{name}={raw!r} must be at least 1 second")
+    return value
 
 
 def _join_error(e: Exception, coordinator_address: str, timeout_s: int) -> UserError:

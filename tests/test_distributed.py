@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from gpt import distributed
+from gpt.errors import UserError
 
 
 class Store:
@@ -232,3 +233,19 @@ def test_buffered_logs_are_flushed_before_stopping(exits, threads, monkeypatch):
     store.key_value_set("gpt/wake/0", "failed")  # as process 1's _leave posts it
     threads(distributed._watch, distributed.Job(store, 0, 2), name="watch0").join(5)
     assert ran == ["flushed"] and exits == [("watch0", 2)]
+
+
+@pytest.mark.parametrize("raw, want", [(None, 100), ("10", 10), ("ten", "whole number"), ("0", "at least 1")])
+def test_heartbeat_setting(monkeypatch, raw, want):
+    """GPT_DISTRIBUTED_HEARTBEAT: how long without a heartbeat before jax declares a process dead
+    (a process killed outright stops the others after about that long); checked like the command
+    line."""
+    if raw is None:
+        monkeypatch.delenv(distributed.HEARTBEAT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(distributed.HEARTBEAT_ENV, raw)
+    if isinstance(want, int):
+        assert distributed._seconds(distributed.HEARTBEAT_ENV, distributed.HEARTBEAT_S) == want
+    else:
+        with pytest.raises(UserError, match=f"GPT_DISTRIBUTED_HEARTBEAT=.*{want}"):
+            distributed._seconds(distributed.HEARTBEAT_ENV, distributed.HEARTBEAT_S)
