@@ -94,6 +94,8 @@ def failure_line(e: BaseException) -> tuple[int, str | None]:
         message = f"{e.strerror}{where}; free space on that disk or choose another output directory"
     elif is_out_of_memory(e):
         message = out_of_memory_message(e)
+    elif is_lost_peer(e):
+        return 1, "error: " + " ".join(lost_peer_message(e).split())
     else:
         return 1, None
     return 2, "error: " + " ".join(message.split())
@@ -105,6 +107,21 @@ def is_out_of_memory(e: BaseException) -> bool:
     runtime_error = type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
     text = str(e)
     return runtime_error and "RESOURCE_EXHAUSTED" in text and "out of memory" in text.lower()
+
+
+def is_lost_peer(e: BaseException) -> bool:
+    """A collective that failed because another process's connection dropped (gloo, the CPU's
+    collectives: that process was killed or its host went down). Not a bug of this process, and
+    its traceback says nothing more."""
+    text = str(e)
+    return "Gloo" in text and ("Connection reset by peer" in text or "Connection closed by peer" in text)
+
+
+def lost_peer_message(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0][:200]
+    return (f"a collective with another process of the job failed ({first}): that process has "
+            f"stopped (killed, out of memory, or its host down); see its log, and restart the job "
+            f"with --init_from=resume to go on from the last checkpoint")
 
 
 def out_of_memory_message(e: BaseException) -> str:

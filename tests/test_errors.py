@@ -44,6 +44,28 @@ def test_device_out_of_memory_is_one_line(capsys):
             run_main(bug, [])
 
 
+def test_a_collective_that_lost_its_peer_is_one_line(capsys):
+    """Another process killed mid-step: gloo's collective fails at once in this one, as a
+    ValueError jax raises (seen with two processes of one CPU device each). One line naming what
+    happened and how to go on, exit status 1; a gloo error of another kind is still a traceback."""
+    lost = ("UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+            "Read error [127.0.0.1]:24742: Connection reset by peer")
+
+    def main(argv):
+        raise ValueError(lost)
+    with pytest.raises(SystemExit) as e:
+        run_main(main, [])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: a collective with another process of the job failed (UNKNOWN: Gloo")
+    assert "--init_from=resume" in err
+
+    def other(argv):
+        raise ValueError("UNKNOWN: Gloo all-reduce failed: mismatched sizes")
+    with pytest.raises(ValueError):
+        run_main(other, [])
+
+
 def test_a_failure_handler_reports_instead(monkeypatch, capsys):
     """With a handler (a multi-host job's), run_main hands it the exit status, the one-line error
     and a `report` that prints what run_main would have printed (the line, or a bug's traceback);
