@@ -87,6 +87,7 @@ def failure_line(e: BaseException) -> tuple[int, str | None]:
     disk is the user's to fix wherever it strikes, and so is device memory exhaustion."""
     if isinstance(e, KeyboardInterrupt):
         return 130, "interrupted"
+    status = 2
     if isinstance(e, UserError):
         message = str(e)
     elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -94,11 +95,11 @@ def failure_line(e: BaseException) -> tuple[int, str | None]:
         message = f"{e.strerror}{where}; free space on that disk or choose another output directory"
     elif is_out_of_memory(e):
         message = out_of_memory_message(e)
-    elif is_lost_peer(e):
-        return 1, "error: " + " ".join(lost_peer_message(e).split())
+    elif is_lost_peer(e):  # not this process's bug, nor the user's input
+        status, message = 1, lost_peer_message(e)
     else:
         return 1, None
-    return 2, "error: " + " ".join(message.split())
+    return status, "error: " + " ".join(message.split())
 
 
 def is_out_of_memory(e: BaseException) -> bool:
