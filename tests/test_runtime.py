@@ -168,6 +168,20 @@ def test_cpu_programs_run_inline_so_a_temporary_over_a_thread_heap_is_kept():
         pytest.skip(f"the asynchronous run faulted only {faults_async:.0f} of {pages:.0f} pages")
 
 
+@pytest.mark.parametrize("env, want", [(None, "False"), ("1", "True")])
+def test_inline_dispatch_leaves_a_users_own_setting(env, want):
+    """`prepare_process` turns JAX's CPU async dispatch off, unless the user set
+    JAX_CPU_ENABLE_ASYNC_DISPATCH (to compare the two)."""
+    environ = {k: v for k, v in os.environ.items() if k != "JAX_CPU_ENABLE_ASYNC_DISPATCH"}
+    if env is not None:
+        environ["JAX_CPU_ENABLE_ASYNC_DISPATCH"] = env
+    r = subprocess.run([sys.executable, "-c", "from gpt.runtime import run_cpu_programs_inline as r; "
+                        "import jax; r(); print(jax.config.jax_cpu_enable_async_dispatch)"],
+                       cwd=REPO, env=dict(environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == [want], r.stderr
+
+
 def test_compilation_cache_folder(monkeypatch, tmp_path):
     """$GPT_COMPILATION_CACHE (0: none), else $XDG_CACHE_HOME/gpt-jax/xla; always in a folder of
     its own per CPU feature set, since JAX's cache key does not name the instruction set."""
