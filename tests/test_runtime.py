@@ -176,7 +176,7 @@ def test_inline_dispatch_leaves_a_users_own_setting(env, want):
     if env is not None:
         environ["JAX_CPU_ENABLE_ASYNC_DISPATCH"] = env
     r = subprocess.run([sys.executable, "-c", "from gpt.runtime import run_cpu_programs_inline as r; "
-                        "import jax; r(); print(jax.config.jax_cpu_enable_async_dispatch)"],
+                        "import jax; r(); print(jax.config.read(\"jax_cpu_enable_async_dispatch\"))"],
                        cwd=REPO, env=dict(environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split() == [want], r.stderr
