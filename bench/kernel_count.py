@@ -1,8 +1,8 @@
 """Kernels per decoded token as XLA compiles the sampler's loop for a GPU, on a machine without one.
 
     python bench/kernel_count.py [--target=h200|h100|cpu] [--config=gpt2] [--batch=1] [--top_k=200]
-                                 [--new_tokens=64] [--list] [--json=PATH]
-    python bench/kernel_count.py --program=train [--target=...] [--list] [train.py's settings]
+                                 [--new_tokens=64] [--list] [--plan] [--json=PATH]
+    python bench/kernel_count.py --program=train [--target=...] [--list] [--plan] [train.py's settings]
                                  [--runtime=KEY=VALUE,...]  (bench/train.py's)
 
 Batch-1 decoding on a GPU is a chain of small kernels, each 2-3 us on an H200 whatever little it
@@ -22,6 +22,12 @@ one): the kernels' speed may differ from a compilation on the GPU, and their num
 as seen so far (GPT-2 at batch 1, at the commit before this tool: 173 here, 172 in the H200's
 profile of the same code).
 
+--plan also reads the plan XLA's GPU runtime executes (the thunk sequence after its passes, from
+an `--xla_dump_to` folder): how many CUDA graphs (command buffers) a run launches, how many kernels
+they hold and what runs outside them (cuDNN calls, loops), per iteration of each while loop. A
+decode loop of known trip count runs its body without reading the condition back to the host;
+GPT-2's body is one graph a token (BENCHMARKS.md), so its kernels' own time is what is left.
+
 --program=train compiles `bench/train.py`'s training step instead and adds up the bytes each
 kernel reads and writes (its operands and result, each once; of an operand that a fusion only
 slices or gathers from, the entries it takes; an in-place update still counts its whole operand)
@@ -39,6 +45,7 @@ import math
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -372,6 +379,97 @@ def report(hlo: str, dtype: str, args) -> dict:
     return row
 
 
+# ----------------------------------------------------------------------------- the runtime's plan
+
+PLAN_FILE = "*.thunk_sequence_after_thunk_passes.txt"  # what XLA:GPU's runtime executes
+
+
+@dataclasses.dataclass
+class Thunk:
+    """One line of the plan and the lines nested under it."""
+    kind: str  # kCustomKernel, kCommandBuffer, kWhile, ... or a label: "body", "condition"
+    children: list["Thunk"] = dataclasses.field(default_factory=list)
+
+
+def parse_plan(text: str) -> Thunk:
+    """XLA:GPU's thunk sequence as dumped (`--xla_dump_to`): "NNN: kKind [...]" lines nested by
+    indentation, and labels ("condition:", "body:") that open a part of the last loop or
+    conditional (printed at that loop's indentation or deeper, their thunks deeper still)."""
+    root = Thunk("program")
+    stack: list[tuple[int, Thunk]] = [(-1, root)]
+    for line in text.splitlines():
+        thunk = re.match(r"^(\s*)\d+: (k\w+)", line)
+        label = re.match(r"^(\s*)([A-Za-z_][\w ]*):\s*$", line)
+        if thunk:
+            indent = len(thunk.group(1))
+            while stack[-1][0] >= indent:
+                stack.pop()
+        elif label:
+            indent = len(label.group(1))
+            while len(stack) > 1 and stack[-1][1].kind not in ("kWhile", "kConditional"):
+                stack.pop()
+        else:
+            continue
+        node = Thunk(thunk.group(2) if thunk else label.group(2))
+        stack[-1][1].children.append(node)
+        stack.append((indent, node))
+    return root
+
+
+def plan_summary(node: Thunk) -> dict:
+    """What one run of `node`'s thunks launches: CUDA graphs (command buffers) and the kernels and
+    copies inside them, what runs outside any graph by kind, and per while loop the same for one
+    iteration of its body (a loop of known trip count runs its body without reading the condition
+    back to the host). A conditional counts all its branches."""
+    out = {"graphs": 0, "in_graphs": 0, "outside": collections.Counter(), "loops": []}
+    for t in node.children:
+        if t.kind == "kCommandBuffer":
+            out["graphs"] += 1
+            out["in_graphs"] += sum(1 for _ in _leaves(t))
+        elif t.kind == "kWhile":
+            body = next((c for c in t.children if c.kind == "body"), Thunk("body"))
+            out["loops"].append(plan_summary(body))
+            out["outside"]["kWhile"] += 1
+        elif t.children:  # a sequence, a conditional (its branches added up), a label
+            inner = plan_summary(t)
+            out["graphs"] += inner["graphs"]
+            out["in_graphs"] += inner["in_graphs"]
+            out["outside"] += inner["outside"]
+            out["loops"] += inner["loops"]
+        else:
+            out["outside"][t.kind] += 1
+    out["outside"] = dict(out["outside"].most_common())
+    return out
+
+
+def _leaves(t: Thunk):
+    for c in t.children:
+        yield from (_leaves(c) if c.children else [c])
+
+
+def dump_plan_to(folder: str) -> None:
+    """Have XLA dump what it compiles into `folder` (before the first compilation: flags are read
+    when the backend starts)."""
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={folder}".strip()
+
+
+def read_plan(folder: str) -> dict:
+    """The plan of the largest module XLA dumped into `folder` (the program compiled; the others
+    are JAX's small helpers), summarised; the program's own graphs first, its loops after."""
+    files = sorted(Path(folder).glob(PLAN_FILE), key=lambda f: f.stat().st_size)
+    if not files:
+        raise UserError("XLA wrote no thunk plan (--plan reads a GPU compilation's; --target=cpu has none)")
+    return plan_summary(parse_plan(files[-1].read_text()))
+
+
+def print_plan(plan: dict, indent: str = "") -> None:
+    print(f"{indent}{plan['graphs']} CUDA graph(s) with {plan['in_graphs']} kernels and copies; "
+          f"outside graphs: {plan['outside'] or 'nothing'}")
+    for i, loop in enumerate(plan["loops"]):
+        print(f"{indent}  while loop {i}, one iteration of its body:")
+        print_plan(loop, indent + "    ")
+
+
 def _group(name: str, kind: str) -> str:
     """matmul (cuBLAS, a Triton GEMM, XLA:CPU's dot), attention (cuDNN) or other."""
     if "cudnn" in kind.lower():
@@ -422,12 +520,23 @@ def main(argv: list[str]) -> int:
                          "float32 on a CPU (as sample.py decodes)")
     ap.add_argument("--list", action="store_true", help="every kernel of the loop's body, in order")
     ap.add_argument("--json", default="", help="also write the counts to this file")
+    ap.add_argument("--plan", action="store_true",
+                    help="also read the thunk plan XLA's GPU runtime executes: which kernels run in "
+                         "CUDA graphs (command buffers) and what runs outside them, per loop")
     args, rest = ap.parse_known_args(argv)
-    if args.program == "train":
-        row = report_train(*train_program(args, rest, device_sharding(args.target)), args)
-    else:
-        _check_decode_args(args, rest)
-        row = report(*decode_program(args, device_sharding(args.target)), args)
+    if args.plan and args.target == "cpu":
+        raise UserError("--plan reads XLA:GPU's thunk plan: use a GPU --target")
+    with tempfile.TemporaryDirectory() as dump:
+        if args.plan:
+            dump_plan_to(dump)
+        if args.program == "train":
+            row = report_train(*train_program(args, rest, device_sharding(args.target)), args)
+        else:
+            _check_decode_args(args, rest)
+            row = report(*decode_program(args, device_sharding(args.target)), args)
+        if args.plan:
+            row["plan"] = read_plan(dump)
+            print_plan(row["plan"])
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
     return 0

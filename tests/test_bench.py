@@ -455,6 +455,50 @@ def test_kernel_count_bytes_of_few_entry_reads():
     assert entry.moved == [result + a + i + b + c + k]
 
 
+# XLA:GPU's thunk plan as it dumps it (trimmed from a GPT-2 decode loop's, with a nested loop and
+# an attention call added): a loop's "condition:" label at the loop's own indentation.
+_PLAN = """000: kCommandBuffer [source       | next=003 (1)]
+    001: kCopy [source | sink] kCopy
+    002: kCopy [source | sink] kCopy
+003: kWhile         [prev=000 (1) | next=012 (1)]
+condition:
+    004: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
+  body:
+    000: kCommandBuffer [source | next=008 (1)]
+        005: kCustomKernel [source | next=006 (1) ] input_reduce_fusion grid: [768, 1, 1]
+        006: kCustomKernel [prev=005 (1) | next=007 (1) ] fusion_94 grid: [48, 1, 1]
+        007: kCopy         [prev=006 (1) | sink ] kCopy
+    008: kCuDnn [prev=000 (1) | next=009 (1)] kCuDnn
+    009: kWhile [prev=008 (1) | sink]
+    condition:
+        010: kCustomKernel [source | sink] loop_compare_fusion grid: [1, 1, 1]
+      body:
+        011: kCustomKernel [source | sink] loop_add_fusion grid: [1, 1, 1]
+012: kCustomKernel [prev=003 (1) | sink] loop_select_fusion grid: [393, 1, 1]
+"""
+
+
+def test_kernel_count_reads_the_runtime_plan():
+    """--plan's reader: per run of the program and per iteration of each loop's body, the CUDA
+    graphs (command buffers) and what they hold, and what runs outside them (a cuDNN call, a
+    nested loop, a kernel after the loop); a loop's condition is not part of its body."""
+    from bench import kernel_count as kc
+    plan = kc.plan_summary(kc.parse_plan(_PLAN))
+    inner = {"graphs": 0, "in_graphs": 0, "outside": {"kCustomKernel": 1}, "loops": []}
+    body = {"graphs": 1, "in_graphs": 3, "outside": {"kCuDnn": 1, "kWhile": 1}, "loops": [inner]}
+    assert plan == {"graphs": 1, "in_graphs": 2, "outside": {"kWhile": 1, "kCustomKernel": 1},
+                    "loops": [body]}
+
+
+def test_kernel_count_plan_needs_a_gpu_target():
+    """--plan with --target=cpu (XLA:CPU has no such plan): one line, exit status 2."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_count.py"), "--target=cpu", "--plan"],
+                       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "--plan" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
 def _kernel_count(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     """bench/kernel_count.py for this CPU: the finished process and the counts it wrote."""
     cmd = [sys.executable, str(REPO / "bench" / "kernel_count.py"), "--target=cpu", *args,
