@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -393,64 +394,73 @@ class Thunk:
 
 def parse_plan(text: str) -> Thunk:
     """XLA:GPU's thunk sequence as dumped (`--xla_dump_to`): "NNN: kKind [...]" lines nested by
-    indentation, and labels ("condition:", "body:") that open a part of the last loop or
-    conditional (printed at that loop's indentation or deeper, their thunks deeper still)."""
+    indentation, and labels ("condition:", "body:", a conditional's branches) that open a part of
+    the loop or conditional above them at their indentation or less (XLA prints a loop's
+    "condition:" at the loop's own indentation, "body:" deeper, their thunks deeper still)."""
     root = Thunk("program")
     stack: list[tuple[int, Thunk]] = [(-1, root)]
     for line in text.splitlines():
         thunk = re.match(r"^(\s*)\d+: (k\w+)", line)
         label = re.match(r"^(\s*)([A-Za-z_][\w ]*):\s*$", line)
+        if not (thunk or label):
+            continue
+        indent = len((thunk or label).group(1))
         if thunk:
-            indent = len(thunk.group(1))
             while stack[-1][0] >= indent:
                 stack.pop()
-        elif label:
-            indent = len(label.group(1))
-            while len(stack) > 1 and stack[-1][1].kind not in ("kWhile", "kConditional"):
-                stack.pop()
         else:
-            continue
+            while len(stack) > 1 and not (stack[-1][1].kind in ("kWhile", "kConditional")
+                                          and stack[-1][0] <= indent):
+                stack.pop()
         node = Thunk(thunk.group(2) if thunk else label.group(2))
         stack[-1][1].children.append(node)
         stack.append((indent, node))
     return root
 
 
-def plan_summary(node: Thunk) -> dict:
+def plan_summary(node: Thunk, captured: bool = False) -> dict:
     """What one run of `node`'s thunks launches: CUDA graphs (command buffers) and the kernels and
-    copies inside them, what runs outside any graph by kind, and per while loop the same for one
-    iteration of its body (a loop of known trip count runs its body without reading the condition
-    back to the host). A conditional counts all its branches."""
+    copies inside them, what runs outside any graph by kind (a loop or a conditional outside one
+    is driven from the host), and per while loop the same for one iteration of its body, with its
+    condition's kernel count (a loop of known trip count skips its condition; a loop inside a graph
+    is `captured`). A conditional counts all its branches. `captured`: `node` runs in a graph."""
     out = {"graphs": 0, "in_graphs": 0, "outside": collections.Counter(), "loops": []}
     for t in node.children:
-        if t.kind == "kCommandBuffer":
-            out["graphs"] += 1
-            out["in_graphs"] += sum(1 for _ in _leaves(t))
-        elif t.kind == "kWhile":
-            body = next((c for c in t.children if c.kind == "body"), Thunk("body"))
-            out["loops"].append(plan_summary(body))
-            out["outside"]["kWhile"] += 1
-        elif t.children:  # a sequence, a conditional (its branches added up), a label
-            inner = plan_summary(t)
-            out["graphs"] += inner["graphs"]
+        if t.kind == "kWhile":
+            part = {c.kind: c for c in t.children}
+            loop = plan_summary(part.get("body", Thunk("body")), captured)
+            loop.update(captured=captured, condition=_count_leaves(part.get("condition", Thunk(""))))
+            out["loops"].append(loop)
+            if not captured:
+                out["outside"]["kWhile"] += 1
+            continue
+        if t.kind == "kConditional" and not captured:
+            out["outside"]["kConditional"] += 1
+        if t.children:  # a graph, a sequence, a conditional, a label
+            inner = plan_summary(t, captured or t.kind == "kCommandBuffer")
+            out["graphs"] += inner["graphs"] + (t.kind == "kCommandBuffer" and not captured)
             out["in_graphs"] += inner["in_graphs"]
             out["outside"] += inner["outside"]
             out["loops"] += inner["loops"]
+        elif captured:
+            out["in_graphs"] += 1
         else:
             out["outside"][t.kind] += 1
     out["outside"] = dict(out["outside"].most_common())
     return out
 
 
-def _leaves(t: Thunk):
-    for c in t.children:
-        yield from (_leaves(c) if c.children else [c])
+def _count_leaves(t: Thunk) -> int:
+    """The thunks under `t` that hold no others (kernels, copies, library calls)."""
+    return sum(_count_leaves(c) if c.children else 1 for c in t.children)
 
 
 def dump_plan_to(folder: str) -> None:
     """Have XLA dump what it compiles into `folder` (before the first compilation: flags are read
-    when the backend starts)."""
+    when the backend starts), and compile afresh: a program taken from JAX's compilation cache is
+    not compiled, so not dumped."""
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={folder}".strip()
+    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
 
 def read_plan(folder: str) -> dict:
@@ -458,7 +468,8 @@ def read_plan(folder: str) -> dict:
     are JAX's small helpers), summarised; the program's own graphs first, its loops after."""
     files = sorted(Path(folder).glob(PLAN_FILE), key=lambda f: f.stat().st_size)
     if not files:
-        raise UserError("XLA wrote no thunk plan (--plan reads a GPU compilation's; --target=cpu has none)")
+        raise UserError(f"XLA wrote no thunk plan into {folder} (--plan reads a GPU compilation's "
+                        f"{PLAN_FILE}; this jax's XLA may name it otherwise)")
     return plan_summary(parse_plan(files[-1].read_text()))
 
 
@@ -466,7 +477,9 @@ def print_plan(plan: dict, indent: str = "") -> None:
     print(f"{indent}{plan['graphs']} CUDA graph(s) with {plan['in_graphs']} kernels and copies; "
           f"outside graphs: {plan['outside'] or 'nothing'}")
     for i, loop in enumerate(plan["loops"]):
-        print(f"{indent}  while loop {i}, one iteration of its body:")
+        where = "inside a graph" if loop["captured"] else "driven from the host"
+        print(f"{indent}  while loop {i} ({where}; its condition {loop['condition']} kernel(s), "
+              f"skipped at a known trip count), one iteration of its body:")
         print_plan(loop, indent + "    ")
 
 
@@ -526,7 +539,7 @@ def main(argv: list[str]) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.plan and args.target == "cpu":
         raise UserError("--plan reads XLA:GPU's thunk plan: use a GPU --target")
-    with tempfile.TemporaryDirectory() as dump:
+    with tempfile.TemporaryDirectory() if args.plan else contextlib.nullcontext() as dump:
         if args.plan:
             dump_plan_to(dump)
         if args.program == "train":

@@ -481,13 +481,71 @@ condition:
 def test_kernel_count_reads_the_runtime_plan():
     """--plan's reader: per run of the program and per iteration of each loop's body, the CUDA
     graphs (command buffers) and what they hold, and what runs outside them (a cuDNN call, a
-    nested loop, a kernel after the loop); a loop's condition is not part of its body."""
+    nested loop, a kernel after the loop); a loop's condition is counted apart from its body."""
     from bench import kernel_count as kc
     plan = kc.plan_summary(kc.parse_plan(_PLAN))
-    inner = {"graphs": 0, "in_graphs": 0, "outside": {"kCustomKernel": 1}, "loops": []}
-    body = {"graphs": 1, "in_graphs": 3, "outside": {"kCuDnn": 1, "kWhile": 1}, "loops": [inner]}
+    inner = {"graphs": 0, "in_graphs": 0, "outside": {"kCustomKernel": 1}, "loops": [],
+             "captured": False, "condition": 1}
+    body = {"graphs": 1, "in_graphs": 3, "outside": {"kCuDnn": 1, "kWhile": 1}, "loops": [inner],
+            "captured": False, "condition": 1}
     assert plan == {"graphs": 1, "in_graphs": 2, "outside": {"kWhile": 1, "kCustomKernel": 1},
                     "loops": [body]}
+
+
+# A conditional driven from the host whose first branch holds a loop (the second branch's label
+# belongs to the conditional, not to that loop), then a graph that captured a loop.
+_PLAN_BRANCHES = """000: kConditional [source | next=006 (1)]
+  branch_0:
+    001: kWhile [source | sink]
+    condition:
+        002: kCustomKernel [source | sink] loop_compare_fusion
+      body:
+        003: kCustomKernel [source | sink] loop_add_fusion
+  branch_1:
+    004: kCustomKernel [source | sink] loop_select_fusion
+    005: kCopy [source | sink] kCopy
+006: kCommandBuffer [prev=000 (1) | sink]
+    007: kCustomKernel [source | next=008 (1)] loop_add_fusion
+    008: kWhile [prev=007 (1) | sink]
+    condition:
+        009: kCustomKernel [source | sink] loop_compare_fusion
+      body:
+        010: kCustomKernel [source | sink] loop_add_fusion
+        011: kCustomKernel [source | sink] loop_add_fusion
+"""
+
+
+def test_kernel_count_plan_of_branches_and_captured_loops(capsys):
+    """A conditional outside graphs is driven from the host and counts all its branches; a label
+    opens a part of the loop or conditional at its indentation, not of a loop nested deeper; a
+    loop inside a graph is captured, its body's kernels in the graph. An empty plan and a label
+    with no loop above it are read without error; print_plan shows every loop."""
+    from bench import kernel_count as kc
+    plan = kc.plan_summary(kc.parse_plan(_PLAN_BRANCHES))
+    assert plan["outside"] == {"kConditional": 1, "kWhile": 1, "kCustomKernel": 1, "kCopy": 1}
+    assert plan["graphs"] == 1 and plan["in_graphs"] == 1
+    host_loop, captured = plan["loops"]
+    assert host_loop == {"graphs": 0, "in_graphs": 0, "outside": {"kCustomKernel": 1}, "loops": [],
+                         "captured": False, "condition": 1}
+    assert captured == {"graphs": 0, "in_graphs": 2, "outside": {}, "loops": [], "captured": True,
+                        "condition": 1}
+    empty = {"graphs": 0, "in_graphs": 0, "outside": {}, "loops": []}
+    assert kc.plan_summary(kc.parse_plan("")) == empty
+    stray = kc.plan_summary(kc.parse_plan("body:\n    001: kCopy [source | sink]\n"))
+    assert stray == dict(empty, outside={"kCopy": 1})
+    kc.print_plan(plan)
+    shown = capsys.readouterr().out
+    assert "1 CUDA graph(s) with 1 kernels" in shown and "inside a graph" in shown
+    assert "driven from the host" in shown
+
+
+def test_kernel_count_plan_missing_is_one_line(tmp_path):
+    """No plan in the dump folder (a CPU compile, an XLA that names the file otherwise): a
+    UserError naming the file it looked for."""
+    from bench import kernel_count as kc
+    from gpt.errors import UserError
+    with pytest.raises(UserError, match="thunk_sequence_after_thunk_passes"):
+        kc.read_plan(str(tmp_path))
 
 
 def test_kernel_count_plan_needs_a_gpu_target():
