@@ -468,8 +468,8 @@ def read_plan(folder: str) -> dict:
     are JAX's small helpers), summarised; the program's own graphs first, its loops after."""
     files = sorted(Path(folder).glob(PLAN_FILE), key=lambda f: f.stat().st_size)
     if not files:
-        raise UserError(f"XLA wrote no thunk plan into {folder} (--plan reads a GPU compilation's "
-                        f"{PLAN_FILE}; this jax's XLA may name it otherwise)")
+        raise UserError(f"XLA dumped no thunk plan (--plan reads a GPU compilation's {PLAN_FILE}; "
+                        f"this jax's XLA may name it otherwise)")
     return plan_summary(parse_plan(files[-1].read_text()))
 
 
