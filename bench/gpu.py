@@ -25,7 +25,8 @@ suite goes on):
   effect) is noted in its row.
 - profile (not run unless named in --parts): `bench/kernel_time.py`'s device time per kernel
   group and its top kernels, for the headline training step (batch 64, one batch a step), the same
-  with the residual stream in bf16, and batch-1 decoding: where the time goes when a target is missed.
+  with the residual stream in bf16, and batch-1 decoding: where the time goes when a target is missed;
+  with each, the plan XLA's GPU runtime executes (bench/plan.py: CUDA graphs, what runs outside).
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -45,6 +46,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench import plan as plan_lib  # noqa: E402  (reads text only: no jax in this process)
 PARTS = ("tests", "sample", "curve", "speculative", "train")  # the longest last: a cut-short run keeps the rest
 EXTRA_PARTS = ("xla", "profile")  # run only when named
 
@@ -269,11 +272,14 @@ def part_profile(r: Runner, sz: dict) -> dict:
             "decode, batch 1": [sys.executable, "bench/kernel_time.py", "decode", "--batch=1",
                                 *sz["profile_decode"], "--top=12"]}
     rows = {}
-    for name, cmd in runs.items():
-        rc, text, _ = r.run(cmd)
-        res = last_json(text) if rc == 0 else None
-        rows[name] = {"lines": res["lines"]} if res else {"error": why_failed(rc, text)}
-        r.save("profile", rows)
+    with tempfile.TemporaryDirectory(prefix="gpu-plan-") as dumps:
+        for i, (name, cmd) in enumerate(runs.items()):
+            dump = str(Path(dumps) / str(i))  # XLA's dump: the runtime's plan (bench/plan.py)
+            rc, text, _ = r.run(cmd, env=plan_lib.dump_env(r.env, dump))
+            res = last_json(text) if rc == 0 else None
+            rows[name] = {"lines": res["lines"]} if res else {"error": why_failed(rc, text)}
+            rows[name]["plan"] = plan_lib.plan_if_any(dump)  # None on a CPU
+            r.save("profile", rows)
     return rows
 
 
@@ -366,6 +372,8 @@ def _profile_table(rows: dict) -> list[str]:
     lines = []
     for name, x in rows.items():
         lines.append(f"### {name}")
+        if x.get("plan"):
+            lines += ["", "XLA's plan: " + plan_lib.plan_text(x["plan"])]
         if "error" in x:
             lines += ["", x["error"], ""]
             continue

@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from bench import plan  # noqa: E402
 from gpt.errors import ArgParser, UserError, run_main  # noqa: E402
 
 # The GPUs as XLA describes them (its gpu_specs); only the fusion and layout decisions read these.
@@ -380,109 +381,6 @@ def report(hlo: str, dtype: str, args) -> dict:
     return row
 
 
-# ----------------------------------------------------------------------------- the runtime's plan
-
-PLAN_FILE = "*.thunk_sequence_after_thunk_passes.txt"  # what XLA:GPU's runtime executes
-
-
-@dataclasses.dataclass
-class Thunk:
-    """One line of the plan and the lines nested under it."""
-    kind: str  # kCustomKernel, kCommandBuffer, kWhile, ... or a label: "body", "condition"
-    children: list["Thunk"] = dataclasses.field(default_factory=list)
-
-
-def parse_plan(text: str) -> Thunk:
-    """XLA:GPU's thunk sequence as dumped (`--xla_dump_to`): "NNN: kKind [...]" lines nested by
-    indentation, and labels ("condition:", "body:", a conditional's branches) that open a part of
-    the loop or conditional above them at their indentation or less (XLA prints a loop's
-    "condition:" at the loop's own indentation, "body:" deeper, their thunks deeper still)."""
-    root = Thunk("program")
-    stack: list[tuple[int, Thunk]] = [(-1, root)]
-    for line in text.splitlines():
-        thunk = re.match(r"^(\s*)\d+: (k\w+)", line)
-        label = re.match(r"^(\s*)([A-Za-z_][\w ]*):\s*$", line)
-        if not (thunk or label):
-            continue
-        indent = len((thunk or label).group(1))
-        if thunk:
-            while stack[-1][0] >= indent:
-                stack.pop()
-        else:
-            while len(stack) > 1 and not (stack[-1][1].kind in ("kWhile", "kConditional")
-                                          and stack[-1][0] <= indent):
-                stack.pop()
-        node = Thunk(thunk.group(2) if thunk else label.group(2))
-        stack[-1][1].children.append(node)
-        stack.append((indent, node))
-    return root
-
-
-def plan_summary(node: Thunk, captured: bool = False) -> dict:
-    """What one run of `node`'s thunks launches: CUDA graphs (command buffers) and the kernels and
-    copies inside them, what runs outside any graph by kind (a loop or a conditional outside one
-    is driven from the host), and per while loop the same for one iteration of its body, with its
-    condition's kernel count (a loop of known trip count skips its condition; a loop inside a graph
-    is `captured`). A conditional counts all its branches. `captured`: `node` runs in a graph."""
-    out = {"graphs": 0, "in_graphs": 0, "outside": collections.Counter(), "loops": []}
-    for t in node.children:
-        if t.kind == "kWhile":
-            part = {c.kind: c for c in t.children}
-            loop = plan_summary(part.get("body", Thunk("body")), captured)
-            loop.update(captured=captured, condition=_count_leaves(part.get("condition", Thunk(""))))
-            out["loops"].append(loop)
-            if not captured:
-                out["outside"]["kWhile"] += 1
-            continue
-        if t.kind == "kConditional" and not captured:
-            out["outside"]["kConditional"] += 1
-        if t.children:  # a graph, a sequence, a conditional, a label
-            inner = plan_summary(t, captured or t.kind == "kCommandBuffer")
-            out["graphs"] += inner["graphs"] + (t.kind == "kCommandBuffer" and not captured)
-            out["in_graphs"] += inner["in_graphs"]
-            out["outside"] += inner["outside"]
-            out["loops"] += inner["loops"]
-        elif captured:
-            out["in_graphs"] += 1
-        else:
-            out["outside"][t.kind] += 1
-    out["outside"] = dict(out["outside"].most_common())
-    return out
-
-
-def _count_leaves(t: Thunk) -> int:
-    """The thunks under `t` that hold no others (kernels, copies, library calls)."""
-    return sum(_count_leaves(c) if c.children else 1 for c in t.children)
-
-
-def dump_plan_to(folder: str) -> None:
-    """Have XLA dump what it compiles into `folder` (before the first compilation: flags are read
-    when the backend starts), and compile afresh: a program taken from JAX's compilation cache is
-    not compiled, so not dumped."""
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={folder}".strip()
-    os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-
-
-def read_plan(folder: str) -> dict:
-    """The plan of the largest module XLA dumped into `folder` (the program compiled; the others
-    are JAX's small helpers), summarised; the program's own graphs first, its loops after."""
-    files = sorted(Path(folder).glob(PLAN_FILE), key=lambda f: f.stat().st_size)
-    if not files:
-        raise UserError(f"XLA dumped no thunk plan (--plan reads a GPU compilation's {PLAN_FILE}; "
-                        f"this jax's XLA may name it otherwise)")
-    return plan_summary(parse_plan(files[-1].read_text()))
-
-
-def print_plan(plan: dict, indent: str = "") -> None:
-    print(f"{indent}{plan['graphs']} CUDA graph(s) with {plan['in_graphs']} kernels and copies; "
-          f"outside graphs: {plan['outside'] or 'nothing'}")
-    for i, loop in enumerate(plan["loops"]):
-        where = "inside a graph" if loop["captured"] else "driven from the host"
-        print(f"{indent}  while loop {i} ({where}; its condition {loop['condition']} kernel(s), "
-              f"skipped at a known trip count), one iteration of its body:")
-        print_plan(loop, indent + "    ")
-
-
 def _group(name: str, kind: str) -> str:
     """matmul (cuBLAS, a Triton GEMM, XLA:CPU's dot), attention (cuDNN) or other."""
     if "cudnn" in kind.lower():
@@ -541,15 +439,15 @@ def main(argv: list[str]) -> int:
         raise UserError("--plan reads XLA:GPU's thunk plan: use a GPU --target")
     with tempfile.TemporaryDirectory() if args.plan else contextlib.nullcontext() as dump:
         if args.plan:
-            dump_plan_to(dump)
+            os.environ.update(plan.dump_env(os.environ, dump))
         if args.program == "train":
             row = report_train(*train_program(args, rest, device_sharding(args.target)), args)
         else:
             _check_decode_args(args, rest)
             row = report(*decode_program(args, device_sharding(args.target)), args)
         if args.plan:
-            row["plan"] = read_plan(dump)
-            print_plan(row["plan"])
+            row["plan"] = plan.read_plan(dump)
+            plan.print_plan(row["plan"])
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=1) + "\n")
     return 0

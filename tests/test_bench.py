@@ -278,6 +278,7 @@ def test_gpu_suite_profiles_where_the_time_goes(tmp_path):
     assert all("--gradient_accumulation_steps=1" in c for c in commands[:2])
     assert ["--residual_dtype=compute" in c for c in commands] == [False, True, False]
     assert "## Profiles" in (tmp_path / "gpu.md").read_text()
+    assert all(x["plan"] is None for x in rows.values())  # XLA:CPU dumps no GPU runtime plan
 
 
 def test_profile_groups_kernels_by_kind():
@@ -478,12 +479,12 @@ condition:
 """
 
 
-def test_kernel_count_reads_the_runtime_plan():
-    """--plan's reader: per run of the program and per iteration of each loop's body, the CUDA
+def test_plan_reads_the_runtime_plan():
+    """bench/plan.py (kernel_count's --plan, gpu.py's profiles): per run of the program and per iteration of each loop's body, the CUDA
     graphs (command buffers) and what they hold, and what runs outside them (a cuDNN call, a
     nested loop, a kernel after the loop); a loop's condition is counted apart from its body."""
-    from bench import kernel_count as kc
-    plan = kc.plan_summary(kc.parse_plan(_PLAN))
+    from bench import plan as bp
+    plan = bp.plan_summary(bp.parse_plan(_PLAN))
     inner = {"graphs": 0, "in_graphs": 0, "outside": {"kCustomKernel": 1}, "loops": [],
              "captured": False, "condition": 1}
     body = {"graphs": 1, "in_graphs": 3, "outside": {"kCuDnn": 1, "kWhile": 1}, "loops": [inner],
@@ -515,13 +516,13 @@ _PLAN_BRANCHES = """000: kConditional [source | next=006 (1)]
 """
 
 
-def test_kernel_count_plan_of_branches_and_captured_loops(capsys):
+def test_plan_of_branches_and_captured_loops(capsys):
     """A conditional outside graphs is driven from the host and counts all its branches; a label
     opens a part of the loop or conditional at its indentation, not of a loop nested deeper; a
     loop inside a graph is captured, its body's kernels in the graph. An empty plan and a label
     with no loop above it are read without error; print_plan shows every loop."""
-    from bench import kernel_count as kc
-    plan = kc.plan_summary(kc.parse_plan(_PLAN_BRANCHES))
+    from bench import plan as bp
+    plan = bp.plan_summary(bp.parse_plan(_PLAN_BRANCHES))
     assert plan["outside"] == {"kConditional": 1, "kWhile": 1, "kCustomKernel": 1, "kCopy": 1}
     assert plan["graphs"] == 1 and plan["in_graphs"] == 1
     host_loop, captured = plan["loops"]
@@ -530,22 +531,39 @@ def test_kernel_count_plan_of_branches_and_captured_loops(capsys):
     assert captured == {"graphs": 0, "in_graphs": 2, "outside": {}, "loops": [], "captured": True,
                         "condition": 1}
     empty = {"graphs": 0, "in_graphs": 0, "outside": {}, "loops": []}
-    assert kc.plan_summary(kc.parse_plan("")) == empty
-    stray = kc.plan_summary(kc.parse_plan("body:\n    001: kCopy [source | sink]\n"))
+    assert bp.plan_summary(bp.parse_plan("")) == empty
+    stray = bp.plan_summary(bp.parse_plan("body:\n    001: kCopy [source | sink]\n"))
     assert stray == dict(empty, outside={"kCopy": 1})
-    kc.print_plan(plan)
+    bp.print_plan(plan)
     shown = capsys.readouterr().out
     assert "1 CUDA graph(s) with 1 kernels" in shown and "inside a graph" in shown
     assert "driven from the host" in shown
 
 
-def test_kernel_count_plan_missing_is_one_line(tmp_path):
+def test_plan_missing_is_one_line(tmp_path):
     """No plan in the dump folder (a CPU compile, an XLA that names the file otherwise): a
     UserError naming the file it looked for."""
-    from bench import kernel_count as kc
+    from bench import plan as bp
     from gpt.errors import UserError
     with pytest.raises(UserError, match="thunk_sequence_after_thunk_passes"):
-        kc.read_plan(str(tmp_path))
+        bp.read_plan(str(tmp_path))
+    assert bp.plan_if_any(str(tmp_path)) is None
+    (tmp_path / "module_0001.jit_f.thunk_sequence_after_thunk_passes.txt").write_text(_PLAN)
+    assert bp.plan_if_any(str(tmp_path))["loops"][0]["in_graphs"] == 3
+
+
+def test_gpu_suite_shows_each_profiles_plan():
+    """gpu.md's profile section gives XLA's plan of a run on one line where one was dumped (a GPU),
+    and nothing where none was (a CPU)."""
+    from bench import gpu as suite
+    from bench import plan as bp
+    plan = bp.plan_summary(bp.parse_plan(_PLAN))
+    line = {"line": "gpu", "busy_ms": 1.0, "span_ms": 2.0, "events_per_step": 3, "groups": {}, "top": []}
+    rows = {"decode, batch 1": {"lines": [line], "plan": plan}, "train": {"lines": [line], "plan": None}}
+    md = suite.markdown({"started": "", "parts": {"profile": rows}})
+    shown = [ln for ln in md.splitlines() if ln.startswith("XLA's plan: ")]
+    assert shown == ["XLA's plan: " + bp.plan_text(plan)]
+    assert "while loop 0 (driven from the host" in shown[0] and "1 CUDA graph(s) with 3" in shown[0]
 
 
 def test_kernel_count_plan_needs_a_gpu_target():

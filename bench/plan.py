@@ -1,0 +1,141 @@
+"""XLA:GPU's runtime plan of a compiled program, read from an `--xla_dump_to` folder.
+
+XLA's GPU runtime executes a sequence of thunks: kernels, library calls (cuBLAS, cuDNN), copies,
+host-driven loops and conditionals, and command buffers, which launch the thunks they hold as one
+CUDA graph. After its passes XLA dumps that sequence (`*.thunk_sequence_after_thunk_passes.txt`).
+Counting kernels says how many there are; the plan says which run inside graphs and what the host
+drives itself (a loop of unknown trip count reads its condition back every iteration), which is
+what decides launch overhead when a step is many small kernels (BENCHMARKS.md: batch-1 decoding).
+Used by `bench/kernel_count.py --plan` (compiled for a described GPU) and `bench/gpu.py`'s profile
+part (compiled on the device). No jax here: it only reads text.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gpt.errors import UserError  # noqa: E402
+
+PLAN_FILE = "*.thunk_sequence_after_thunk_passes.txt"  # what XLA:GPU's runtime executes
+
+
+@dataclasses.dataclass
+class Thunk:
+    """One line of the plan and the lines nested under it."""
+    kind: str  # kCustomKernel, kCommandBuffer, kWhile, ... or a label: "body", "condition"
+    children: list["Thunk"] = dataclasses.field(default_factory=list)
+
+
+def parse_plan(text: str) -> Thunk:
+    """XLA:GPU's thunk sequence as dumped (`--xla_dump_to`): "NNN: kKind [...]" lines nested by
+    indentation, and labels ("condition:", "body:", a conditional's branches) that open a part of
+    the loop or conditional above them at their indentation or less (XLA prints a loop's
+    "condition:" at the loop's own indentation, "body:" deeper, their thunks deeper still)."""
+    root = Thunk("program")
+    stack: list[tuple[int, Thunk]] = [(-1, root)]
+    for line in text.splitlines():
+        thunk = re.match(r"^(\s*)\d+: (k\w+)", line)
+        label = re.match(r"^(\s*)([A-Za-z_][\w ]*):\s*$", line)
+        if not (thunk or label):
+            continue
+        indent = len((thunk or label).group(1))
+        if thunk:
+            while stack[-1][0] >= indent:
+                stack.pop()
+        else:
+            while len(stack) > 1 and not (stack[-1][1].kind in ("kWhile", "kConditional")
+                                          and stack[-1][0] <= indent):
+                stack.pop()
+        node = Thunk(thunk.group(2) if thunk else label.group(2))
+        stack[-1][1].children.append(node)
+        stack.append((indent, node))
+    return root
+
+
+def plan_summary(node: Thunk, captured: bool = False) -> dict:
+    """What one run of `node`'s thunks launches: CUDA graphs (command buffers) and the kernels and
+    copies inside them, what runs outside any graph by kind (a loop or a conditional outside one
+    is driven from the host), and per while loop the same for one iteration of its body, with its
+    condition's kernel count (a loop of known trip count skips its condition; a loop inside a graph
+    is `captured`). A conditional counts all its branches. `captured`: `node` runs in a graph."""
+    out = {"graphs": 0, "in_graphs": 0, "outside": collections.Counter(), "loops": []}
+    for t in node.children:
+        if t.kind == "kWhile":
+            part = {c.kind: c for c in t.children}
+            loop = plan_summary(part.get("body", Thunk("body")), captured)
+            loop.update(captured=captured, condition=_count_leaves(part.get("condition", Thunk(""))))
+            out["loops"].append(loop)
+            if not captured:
+                out["outside"]["kWhile"] += 1
+            continue
+        if t.kind == "kConditional" and not captured:
+            out["outside"]["kConditional"] += 1
+        if t.children:  # a graph, a sequence, a conditional, a label
+            inner = plan_summary(t, captured or t.kind == "kCommandBuffer")
+            out["graphs"] += inner["graphs"] + (t.kind == "kCommandBuffer" and not captured)
+            out["in_graphs"] += inner["in_graphs"]
+            out["outside"] += inner["outside"]
+            out["loops"] += inner["loops"]
+        elif captured:
+            out["in_graphs"] += 1
+        else:
+            out["outside"][t.kind] += 1
+    out["outside"] = dict(out["outside"].most_common())
+    return out
+
+
+def _count_leaves(t: Thunk) -> int:
+    """The thunks under `t` that hold no others (kernels, copies, library calls)."""
+    return sum(_count_leaves(c) if c.children else 1 for c in t.children)
+
+
+def dump_env(env: Mapping[str, str], folder: str) -> dict[str, str]:
+    """`env` with XLA dumping what it compiles into `folder` (for a process about to start, or
+    this one before its backend starts: flags are read then), and compiling afresh: a program
+    taken from JAX's compilation cache is not compiled, so not dumped."""
+    return dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} --xla_dump_to={folder}".strip(),
+                JAX_ENABLE_COMPILATION_CACHE="false")
+
+
+def plan_if_any(folder: str) -> dict | None:
+    """`read_plan`, or None where nothing was dumped (a CPU backend, a run that failed early)."""
+    try:
+        return read_plan(folder)
+    except UserError:
+        return None
+
+
+def read_plan(folder: str) -> dict:
+    """The plan of the largest module XLA dumped into `folder` (the program compiled; the others
+    are JAX's small helpers), summarised; the program's own graphs first, its loops after."""
+    files = sorted(Path(folder).glob(PLAN_FILE), key=lambda f: f.stat().st_size)
+    if not files:
+        raise UserError(f"XLA dumped no thunk plan (--plan reads a GPU compilation's {PLAN_FILE}; "
+                        f"this jax's XLA may name it otherwise)")
+    return plan_summary(parse_plan(files[-1].read_text()))
+
+
+def plan_lines(plan: dict, indent: str = "") -> list[str]:
+    """`plan_summary`'s result as lines of text, each loop's body indented under it."""
+    lines = [f"{indent}{plan['graphs']} CUDA graph(s) with {plan['in_graphs']} kernels and copies; "
+             f"outside graphs: {plan['outside'] or 'nothing'}"]
+    for i, loop in enumerate(plan["loops"]):
+        where = "inside a graph" if loop["captured"] else "driven from the host"
+        lines.append(f"{indent}  while loop {i} ({where}; its condition {loop['condition']} "
+                     f"kernel(s), skipped at a known trip count), one iteration of its body:")
+        lines += plan_lines(loop, indent + "    ")
+    return lines
+
+
+def print_plan(plan: dict) -> None:
+    print("\n".join(plan_lines(plan)))
+
+
+def plan_text(plan: dict) -> str:
+    """The plan on one line (gpu.md)."""
+    return " ".join(line.strip() for line in plan_lines(plan))
