@@ -271,6 +271,8 @@ def part_profile(r: Runner, sz: dict) -> dict:
     runs = {"train": train, "train, bf16 stream": [*train, "--residual_dtype=compute"],
             "decode, batch 1": [sys.executable, "bench/kernel_time.py", "decode", "--batch=1",
                                 *sz["profile_decode"], "--top=12"]}
+    modules = {"train": "jit_step_fn", "train, bf16 stream": "jit_step_fn",  # the jitted functions
+               "decode, batch 1": "jit_decode_tokens"}
     rows = {}
     with tempfile.TemporaryDirectory(prefix="gpu-plan-") as dumps:
         for i, (name, cmd) in enumerate(runs.items()):
@@ -278,7 +280,7 @@ def part_profile(r: Runner, sz: dict) -> dict:
             rc, text, _ = r.run(cmd, env=plan_lib.dump_env(r.env, dump))
             res = last_json(text) if rc == 0 else None
             rows[name] = {"lines": res["lines"]} if res else {"error": why_failed(rc, text)}
-            rows[name]["plan"] = plan_lib.plan_if_any(dump)  # None on a CPU
+            rows[name]["plan"] = plan_lib.plan_or_note(dump, modules[name])  # none on a CPU
             r.save("profile", rows)
     return rows
 

@@ -14,12 +14,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpt.errors import UserError  # noqa: E402
+from gpt.errors import UserError
 
 PLAN_FILE = "*.thunk_sequence_after_thunk_passes.txt"  # what XLA:GPU's runtime executes
 
@@ -98,36 +96,50 @@ def dump_env(env: Mapping[str, str], folder: str) -> dict[str, str]:
     """`env` with XLA dumping what it compiles into `folder` (for a process about to start, or
     this one before its backend starts: flags are read then), and compiling afresh: a program
     taken from JAX's compilation cache is not compiled, so not dumped."""
+    if re.search(r"\s", folder):  # XLA_FLAGS splits at white space
+        raise UserError(f"XLA cannot dump into {folder!r} (white space in the path); set TMPDIR to "
+                        f"a folder without it")
     return dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} --xla_dump_to={folder}".strip(),
                 JAX_ENABLE_COMPILATION_CACHE="false")
 
 
-def plan_if_any(folder: str) -> dict | None:
-    """`read_plan`, or None where nothing was dumped (a CPU backend, a run that failed early)."""
+def plan_or_note(folder: str, module: str = "") -> dict:
+    """`read_plan`, or {"none": why} where XLA dumped no plan (a CPU compilation, a run that
+    failed early, an XLA that names the file otherwise): with how many files it did dump, so a
+    missing plan on a GPU says so instead of passing for a CPU's."""
     try:
-        return read_plan(folder)
+        return read_plan(folder, module)
     except UserError:
-        return None
+        dumped = sorted({f.name.split(".")[-2] for f in Path(folder).glob("*.*.txt")}) if \
+            Path(folder).is_dir() else []
+        return {"none": f"no {PLAN_FILE} among {sum(1 for _ in Path(folder).glob('*'))} dumped files"
+                        + (f" (kinds: {', '.join(dumped[:8])})" if dumped else "")}
 
 
-def read_plan(folder: str) -> dict:
-    """The plan of the largest module XLA dumped into `folder` (the program compiled; the others
-    are JAX's small helpers), summarised; the program's own graphs first, its loops after."""
+def read_plan(folder: str, module: str = "") -> dict:
+    """The plan of the program compiled, summarised, with its file's name ("module"): of the plans
+    XLA dumped into `folder`, the largest of those whose name has `module` in it (the jitted
+    function's name, e.g. "jit_step_fn"), else the largest of all (the others are JAX's helpers;
+    a prefill can be as large as the decode loop, so callers name theirs)."""
     files = sorted(Path(folder).glob(PLAN_FILE), key=lambda f: f.stat().st_size)
+    named = [f for f in files if module and module in f.name]
     if not files:
         raise UserError(f"XLA dumped no thunk plan (--plan reads a GPU compilation's {PLAN_FILE}; "
                         f"this jax's XLA may name it otherwise)")
-    return plan_summary(parse_plan(files[-1].read_text()))
+    chosen = (named or files)[-1]
+    return dict(plan_summary(parse_plan(chosen.read_text())), module=chosen.name)
 
 
 def plan_lines(plan: dict, indent: str = "") -> list[str]:
     """`plan_summary`'s result as lines of text, each loop's body indented under it."""
+    if "none" in plan:
+        return [f"{indent}none dumped: {plan['none']}"]
     lines = [f"{indent}{plan['graphs']} CUDA graph(s) with {plan['in_graphs']} kernels and copies; "
              f"outside graphs: {plan['outside'] or 'nothing'}"]
     for i, loop in enumerate(plan["loops"]):
         where = "inside a graph" if loop["captured"] else "driven from the host"
         lines.append(f"{indent}  while loop {i} ({where}; its condition {loop['condition']} "
-                     f"kernel(s), skipped at a known trip count), one iteration of its body:")
+                     f"kernel(s), not run when the trip count is known), one iteration of its body:")
         lines += plan_lines(loop, indent + "    ")
     return lines
 

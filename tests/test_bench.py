@@ -278,7 +278,8 @@ def test_gpu_suite_profiles_where_the_time_goes(tmp_path):
     assert all("--gradient_accumulation_steps=1" in c for c in commands[:2])
     assert ["--residual_dtype=compute" in c for c in commands] == [False, True, False]
     assert "## Profiles" in (tmp_path / "gpu.md").read_text()
-    assert all(x["plan"] is None for x in rows.values())  # XLA:CPU dumps no GPU runtime plan
+    assert all(set(x["plan"]) == {"none"} for x in rows.values())  # XLA:CPU dumps no GPU plan
+    assert "XLA's plan: none dumped" in (tmp_path / "gpu.md").read_text()
 
 
 def test_profile_groups_kernels_by_kind():
@@ -542,24 +543,34 @@ def test_plan_of_branches_and_captured_loops(capsys):
 
 def test_plan_missing_is_one_line(tmp_path):
     """No plan in the dump folder (a CPU compile, an XLA that names the file otherwise): a
-    UserError naming the file it looked for."""
+    UserError naming the file it looked for, or for gpu.py a note saying what was dumped; with
+    plans, the one of the named jitted function, else the largest; a dump folder XLA_FLAGS cannot
+    name (white space) is refused."""
     from bench import plan as bp
     from gpt.errors import UserError
     with pytest.raises(UserError, match="thunk_sequence_after_thunk_passes"):
         bp.read_plan(str(tmp_path))
-    assert bp.plan_if_any(str(tmp_path)) is None
-    (tmp_path / "module_0001.jit_f.thunk_sequence_after_thunk_passes.txt").write_text(_PLAN)
-    assert bp.plan_if_any(str(tmp_path))["loops"][0]["in_graphs"] == 3
+    (tmp_path / "module_0000.jit_f.cpu_after_optimizations.txt").write_text("HloModule f")
+    note = bp.plan_or_note(str(tmp_path))
+    assert set(note) == {"none"} and "1 dumped files" in note["none"]
+    assert bp.plan_lines(note) == [f"none dumped: {note['none']}"]
+    (tmp_path / "module_0001.jit_step_fn.thunk_sequence_after_thunk_passes.txt").write_text(_PLAN)
+    (tmp_path / "module_0002.jit_init.thunk_sequence_after_thunk_passes.txt").write_text(_PLAN * 2)
+    named = bp.plan_or_note(str(tmp_path), "jit_step_fn")  # the named one, though smaller
+    assert named["module"].startswith("module_0001") and named["loops"][0]["in_graphs"] == 3
+    assert bp.plan_or_note(str(tmp_path))["module"].startswith("module_0002")  # else the largest
+    with pytest.raises(UserError, match="white space"):
+        bp.dump_env({}, str(tmp_path / "a b"))
 
 
 def test_gpu_suite_shows_each_profiles_plan():
-    """gpu.md's profile section gives XLA's plan of a run on one line where one was dumped (a GPU),
-    and nothing where none was (a CPU)."""
+    """gpu.md's profile section gives XLA's plan of a run on one line (a row from before plans were
+    recorded shows none)."""
     from bench import gpu as suite
     from bench import plan as bp
     plan = bp.plan_summary(bp.parse_plan(_PLAN))
     line = {"line": "gpu", "busy_ms": 1.0, "span_ms": 2.0, "events_per_step": 3, "groups": {}, "top": []}
-    rows = {"decode, batch 1": {"lines": [line], "plan": plan}, "train": {"lines": [line], "plan": None}}
+    rows = {"decode, batch 1": {"lines": [line], "plan": plan}, "train": {"lines": [line]}}
     md = suite.markdown({"started": "", "parts": {"profile": rows}})
     shown = [ln for ln in md.splitlines() if ln.startswith("XLA's plan: ")]
     assert shown == ["XLA's plan: " + bp.plan_text(plan)]
