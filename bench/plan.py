@@ -110,10 +110,10 @@ def plan_or_note(folder: str, module: str = "") -> dict:
     try:
         return read_plan(folder, module)
     except UserError:
-        dumped = sorted({f.name.split(".")[-2] for f in Path(folder).glob("*.*.txt")}) if \
-            Path(folder).is_dir() else []
-        return {"none": f"no {PLAN_FILE} among {sum(1 for _ in Path(folder).glob('*'))} dumped files"
-                        + (f" (kinds: {', '.join(dumped[:8])})" if dumped else "")}
+        files = list(Path(folder).glob("*"))  # none if the folder was never made
+        kinds = sorted({f.name.split(".")[-2] for f in files if f.name.count(".") >= 2})
+        return {"none": f"no {PLAN_FILE} among {len(files)} dumped files"
+                        + (f" (kinds: {', '.join(kinds[:8])})" if kinds else "")}
 
 
 def read_plan(folder: str, module: str = "") -> dict:
