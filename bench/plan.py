@@ -122,11 +122,10 @@ def read_plan(folder: str, module: str = "") -> dict:
     function's name, e.g. "jit_step_fn"), else the largest of all (the others are JAX's helpers;
     a prefill can be as large as the decode loop, so callers name theirs)."""
     files = sorted(Path(folder).glob(PLAN_FILE), key=lambda f: f.stat().st_size)
-    named = [f for f in files if module and module in f.name]
     if not files:
         raise UserError(f"XLA dumped no thunk plan (--plan reads a GPU compilation's {PLAN_FILE}; "
                         f"this jax's XLA may name it otherwise)")
-    chosen = (named or files)[-1]
+    chosen = ([f for f in files if module and module in f.name] or files)[-1]
     return dict(plan_summary(parse_plan(chosen.read_text())), module=chosen.name)
 
 
