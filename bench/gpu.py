@@ -27,6 +27,10 @@ suite goes on):
   group and its top kernels, for the headline training step (batch 64, one batch a step), the same
   with the residual stream in bf16, and batch-1 decoding: where the time goes when a target is missed;
   with each, the plan XLA's GPU runtime executes (bench/plan.py: CUDA graphs, what runs outside).
+- kernels (not run unless named in --parts): hand-written decoding kernels against XLA's, each
+  checked against float64 first: `bench/decode_layer.py` (a decoding step's MLP block and attention
+  block, each as one Pallas kernel) and `bench/matvec.py` (one-row products): whether fewer, fused
+  kernels can bring batch-1 decoding near the bandwidth bound, before the sampler is built on them.
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -49,7 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench import plan as plan_lib  # noqa: E402  (reads text only: no jax in this process)
 PARTS = ("tests", "sample", "curve", "speculative", "train")  # the longest last: a cut-short run keeps the rest
-EXTRA_PARTS = ("xla", "profile")  # run only when named
+EXTRA_PARTS = ("xla", "profile", "kernels")  # run only when named
 
 # name -> bench/train.py flags. The first is the headline configuration; "scan" measures compile
 # time with --scan_layers; the larger batches and remat policies look for the fastest that fits.
@@ -93,7 +97,8 @@ def sizes(size: str) -> dict:
                     curve_flags=["--preset=tiny", "--eval_interval=10", "--eval_iters=2",
                                  "--log_interval=5"],
                     spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16,
-                    xla_train=["--batch_size=4"], profile_decode=["--config=tiny", "--new_tokens=8"])
+                    xla_train=["--batch_size=4"], profile_decode=["--config=tiny", "--new_tokens=8"],
+                    kernels=["--chain=2", "--reps=1"])
     # chains of 5 steps synchronised once, as train.py runs them (bench/train.py --chain)
     return dict(train_preset="gpt2", train_variants=TRAIN_FULL,
                 steps=["--steps=10", "--warmup=3", "--chain=5"],
@@ -101,7 +106,8 @@ def sizes(size: str) -> dict:
                 curve_flags=["--preset=shakespeare-char", "--eval_interval=50", "--eval_iters=20",
                              "--log_interval=10"],
                 spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"], distill_rows=2560,
-                xla_train=["--batch_size=64"], profile_decode=["--config=gpt2", "--new_tokens=64"])
+                xla_train=["--batch_size=64"], profile_decode=["--config=gpt2", "--new_tokens=64"],
+                kernels=[])
 
 
 class Runner:
@@ -285,6 +291,18 @@ def part_profile(r: Runner, sz: dict) -> dict:
     return rows
 
 
+def part_kernels(r: Runner, sz: dict) -> dict:
+    """bench/decode_layer.py and bench/matvec.py: each row is the tool's JSON (its values' errors
+    and, on a GPU, its timings) with its exit status (1: a kernel's values were off)."""
+    rows = {}
+    for tool in ("decode_layer", "matvec"):
+        rc, text, _ = r.run([sys.executable, f"bench/{tool}.py", *sz["kernels"]])
+        res = last_json(text)
+        rows[tool] = dict(res, exit=rc) if res else {"error": why_failed(rc, text)}
+        r.save("kernels", rows)
+    return rows
+
+
 def part_curve(r: Runner, sz: dict) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-curve-"))
     n = sz["curve_steps"]
@@ -390,6 +408,41 @@ def _profile_table(rows: dict) -> list[str]:
     return lines
 
 
+def _status(row: dict) -> str:
+    return row.get("error") or f"exit {row.get('exit')}"
+
+
+def _layer_table(layer: dict) -> list[str]:
+    """decode_layer.py's variants per block, and a layer's best (its two blocks' fastest) against XLA's."""
+    lines = [f"A decoding step's layer (bench/decode_layer.py, GPT-2's sizes, cache position {layer.get('pos')} "
+             f"of {layer.get('seq')}; per block): {_status(layer)}", "",
+             "| block | variant | us | read GB/s | rel. error vs float64 | vs XLA's block |", "|---|---|---|---|---|---|"]
+    best = {}
+    for block, errors in layer.get("errors", {}).items():
+        for name, e in errors.items():
+            t = layer.get(block, {}).get(name)
+            timing = f"{t['us']:.2f} | {t['read_gbps']:.0f}" if t else "- | -"
+            lines.append(f"| {block} | {name} | {timing} | {e['vs_float64']:.1e} | {e['vs_xla']:.1e} |")
+            if t and name != "xla":
+                best[block] = min(best.get(block, float("inf")), t["us"])
+    if len(best) == 2:
+        xla = sum(layer[b]["xla"]["us"] for b in best)
+        lines += ["", f"Per layer: XLA {xla:.2f} us; the fastest Pallas blocks {sum(best.values()):.2f} us."]
+    return lines + [""]
+
+
+def _kernels_table(rows: dict) -> list[str]:
+    lines = _layer_table(rows["decode_layer"]) if "decode_layer" in rows else []
+    if "matvec" in rows:
+        mv = rows["matvec"]
+        lines += [f"One-row products (bench/matvec.py): {_status(mv)}, largest relative error "
+                  f"{mv.get('max_rel_err', float('nan')):.1e}", ""]
+        for shape, variants in mv.get("shapes", {}).items():
+            lines += [f"| {shape}: variant | us | read GB/s |", "|---|---|---|",
+                      *[f"| {n} | {t['us']:.2f} | {t['read_gbps']:.0f} |" for n, t in variants.items()], ""]
+    return lines
+
+
 def markdown(results: dict) -> str:
     p = results["parts"]
     out = [f"# GPU suite ({results.get('device', '?')}, jax {results.get('jax', '?')}, "
@@ -413,6 +466,8 @@ def markdown(results: dict) -> str:
     if "profile" in p:
         out += ["## Profiles (bench/kernel_time.py, per step or decoded token)", "",
                 *_profile_table(p["profile"])]
+    if "kernels" in p:
+        out += ["## Decoding kernels (XLA against Pallas)", "", *_kernels_table(p["kernels"])]
     if "curve" in p:
         c = p["curve"]
         out += ["## Short training run (train.py)", "", f"exit {c['exit']}, {c['wall_sec']:.0f} s wall, "
@@ -467,7 +522,8 @@ def main(argv: list[str]) -> int:
         res = {"tests": lambda: part_tests(r, sz), "train": lambda: part_train(r, sz, only),
                "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz),
                "speculative": lambda: part_speculative(r, sz),
-               "xla": lambda: part_xla(r, sz, settings, programs), "profile": lambda: part_profile(r, sz)}[part]()
+               "xla": lambda: part_xla(r, sz, settings, programs), "profile": lambda: part_profile(r, sz),
+               "kernels": lambda: part_kernels(r, sz)}[part]()
         r.save(part, res)
     print(markdown(r.results))
     return 0

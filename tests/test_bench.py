@@ -302,6 +302,55 @@ def test_matvec_kernels_are_checked_on_cpu():
     assert out["max_rel_err"] < 1e-5 and "shapes" not in out  # bf16 inputs, float32 sums; no timings
 
 
+def test_decode_layer_kernels_match_xlas_blocks():
+    """bench/decode_layer.py's one-kernel blocks (Pallas's interpreter here) compute what XLA's do:
+    the MLP block to float32 summation order (partial rows or atomic adds), the attention block to
+    bf16's rounding of its probabilities (an online softmax rounds them unnormalised), the key and
+    value written at the position as XLA's and the rest of the cache untouched (else it raises)."""
+    import jax
+    from bench import decode_layer as dl
+    mlp = dl.check_mlp(jax.random.key(3), d=256, f=512)
+    assert {"xla", "pallas BF32 BK128 w4", "atomic BF32 BK128 w4"} <= set(mlp)
+    assert all(e["vs_xla"] < 1e-5 and 1e-4 < e["vs_float64"] < 1e-2 for n, e in mlp.items() if n != "xla")
+    attn = dl.check_attention(jax.random.key(4), d=256, h=4, s=128, pos=70)
+    assert len(attn) == 1 + len(dl.ATTENTION_PALLAS)
+    for name, e in attn.items():
+        assert e["vs_float64"] < 2e-2 and e["vs_xla"] < 1e-2 and e["cache"] < 1e-2, (name, e)
+    first = dl.check_attention(jax.random.key(4), d=256, h=4, s=128, pos=0)  # no earlier position
+    assert all(e["vs_float64"] < 2e-2 for e in first.values())
+
+
+@pytest.mark.slow  # 20 s: both tools in Pallas's interpreter
+def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
+    """bench/gpu.py --parts=kernels: decode_layer.py and matvec.py run, their values are checked and
+    gpu.md tables them (no timings off a GPU)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}", "--size=tiny",
+                        "--parts=kernels"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu.json").read_text())["parts"]["kernels"]
+    assert rows["decode_layer"]["exit"] == 0 and rows["matvec"]["exit"] == 0
+    assert "mlp" not in rows["decode_layer"] and "shapes" not in rows["matvec"]
+    md = (tmp_path / "gpu.md").read_text()
+    assert "| mlp | xla | - | - |" in md and "| attention | xla | - | - |" in md
+    assert "One-row products (bench/matvec.py): exit 0" in md
+
+
+def test_gpu_suite_tables_kernel_timings():
+    """gpu.md's kernels section: a GPU's timings per variant with a layer's best against XLA's, and
+    a tool that failed as its reason."""
+    from bench import gpu as suite
+    e = {"vs_float64": 3e-3, "vs_xla": 1e-6}
+    t = lambda us: {"us": us, "read_gbps": 1.0}  # noqa: E731
+    layer = {"errors": {"mlp": {"xla": e, "atomic BF16 BK256 w4": e}, "attention": {"xla": e, "pallas a": e}},
+             "mlp": {"xla": t(11.5), "atomic BF16 BK256 w4": t(4.25)}, "attention": {"xla": t(16.0), "pallas a": t(5.5)},
+             "exit": 0, "seq": 1024, "pos": 512}
+    md = suite.markdown({"started": "", "parts": {"kernels": {"decode_layer": layer, "matvec": {"error": "timed out"}}}})
+    assert "| mlp | atomic BF16 BK256 w4 | 4.25 | 1 | 3.0e-03 | 1.0e-06 |" in md
+    assert "Per layer: XLA 27.50 us; the fastest Pallas blocks 9.75 us." in md
+    assert "One-row products (bench/matvec.py): timed out" in md
+
+
 @pytest.mark.parametrize("device,flagged", [("gpu: NVIDIA H200", True), ("cpu", False)])
 def test_gpu_suite_flags_gpu_checks_skipped_on_a_gpu(device, flagged):
     """On a GPU, a skipped GPU check never saw it (run by hand they all once skipped, pinned to the

@@ -1,0 +1,420 @@
+"""One batch-1 decoding step's layer on the accelerator: XLA's kernels against two Pallas kernels.
+
+    python bench/decode_layer.py [--chain=12] [--reps=20] [--seq=1024] [--pos=512]
+
+A GPT-2 token on a GPU is about 170 kernels of 2-3 us each, most far from the memory bandwidth
+(BENCHMARKS.md): XLA runs a layer as about fourteen. XLA's products alone cap batch-1 decoding
+near 40-50% of the bandwidth bound, under the 60% target. This measures, before anything is built
+on it, whether a layer as two hand-written (Pallas, Triton) kernels does better:
+
+- the MLP block, x + proj(gelu(fc(LayerNorm(x)))): program j takes hidden units [j BF, (j+1) BF),
+  normalises x itself (768 entries: every program does, so no kernel has to come first), multiplies
+  by its BF rows of fc's weight held [F, D], adds the bias, applies GELU, multiplies by its BF rows
+  of proj's weight held [F, D] (both contiguous rows, each weight read once in all), and writes a
+  partial output row that XLA sums with the bias and x after (`pallas`), or adds it into the
+  output (`atomic`; program 0 also adds x and the bias);
+- the attention block, x + out(attention(qkv(LayerNorm(x)), cache)) at position `pos`: program h
+  takes head h: its q, k and v from its rows of the qkv weight [3D, D], writes k and v into the
+  cache (keys [H, K, S], values [H, S, K], the sampler's layouts), attends over positions up to pos
+  only (an online softmax over blocks of BS), and adds its rows of the output product into the
+  output.
+
+XLA's blocks take the weights [out, in], its fastest layout for one-row products (bench/matvec.py),
+and attend over the whole cache under a mask, as the sampler does. Every variant is checked against
+a float64 block and against XLA's. Timed as chains of `--chain` blocks with distinct weights (and
+caches) inside one jit, as a decoding step runs them; per block: microseconds and the read bandwidth
+they imply (weights, and for attention the cache up to pos). On CPU the kernels run in Pallas's
+interpreter and only their values are checked (no timings). The last line printed is one JSON
+object. Figures: BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.matvec import GPU, _params, seconds_per_call  # noqa: E402
+from gpt.ops.norm import layer_norm  # noqa: E402
+
+D, F, H, EPS = 768, 3072, 12, 1e-5  # GPT-2's width, hidden width, heads and LayerNorm epsilon
+BF16, F32 = jnp.bfloat16, jnp.float32
+# MLP: (hidden units per program, input columns per load, warps, atomic)
+MLP_PALLAS = [(8, 256, 4, False), (16, 256, 4, False), (32, 128, 4, False), (16, 256, 4, True),
+              (32, 128, 4, True), (32, 256, 8, True)]
+# attention: (input columns per load, cache positions per block, warps)
+ATTENTION_PALLAS = [(256, 64, 4), (128, 64, 4), (256, 128, 8)]
+
+
+class MLP(NamedTuple):
+    """An MLP block's parameters: the norm's scale and bias, fc's weight [F, D] ([out, in]) and
+    bias, proj's weight [F, D] ([in, out]) and bias; weights bf16."""
+    scale: jax.Array
+    bias: jax.Array
+    w_fc: jax.Array
+    b_fc: jax.Array
+    w_proj: jax.Array
+    b_proj: jax.Array
+
+
+class Attention(NamedTuple):
+    """An attention block's parameters: the norm's, the qkv weight [3D, D] ([out, in]) and bias, the
+    output weight [D, D] ([in, out]: head h's rows h K to (h+1) K) and bias; weights bf16."""
+    scale: jax.Array
+    bias: jax.Array
+    w_qkv: jax.Array
+    b_qkv: jax.Array
+    w_o: jax.Array
+    b_o: jax.Array
+
+
+def _small(key, shape, dtype=F32):
+    return (0.02 * jax.random.normal(key, shape)).astype(dtype)
+
+
+def random_mlp(key: jax.Array, d: int = D, f: int = F) -> MLP:
+    k = jax.random.split(key, 6)
+    return MLP(1.0 + _small(k[0], (d,)), _small(k[1], (d,)), _small(k[2], (f, d), BF16),
+               _small(k[3], (f,)), _small(k[4], (f, d), BF16), _small(k[5], (d,)))
+
+
+def random_attention(key: jax.Array, d: int = D) -> Attention:
+    k = jax.random.split(key, 6)
+    return Attention(1.0 + _small(k[0], (d,)), _small(k[1], (d,)), 5 * _small(k[2], (3 * d, d), BF16),
+                     _small(k[3], (3 * d,)), _small(k[4], (d, d), BF16), _small(k[5], (d,)))
+
+
+def random_cache(key: jax.Array, h: int, k: int, s: int) -> tuple[jax.Array, jax.Array]:
+    """Keys [H, K, S] and values [H, S, K] (bf16), as if s positions had been written."""
+    kk, kv = jax.random.split(key)
+    return (jax.random.normal(kk, (h, k, s)).astype(BF16), jax.random.normal(kv, (h, s, k)).astype(BF16))
+
+
+def gelu(a: jax.Array) -> jax.Array:
+    """GPT-2's tanh GELU written out, so that every variant computes the same thing."""
+    return 0.5 * a * (1.0 + jnp.tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)))
+
+
+def _bf16(a: jax.Array) -> jax.Array:
+    """Rounded to bf16 and held in float32: where the sampler's model rounds (products' inputs)."""
+    return a.astype(BF16).astype(F32)
+
+
+# XLA's blocks, as the sampler's model runs them: bf16 inputs to the products (float32 sums), the
+# bias added in float32 and rounded back, the residual stream float32.
+
+def xla_mlp(x_D: jax.Array, p: MLP) -> jax.Array:
+    """`p` from `xla_layout` (proj's weight [D, F])."""
+    h_D = layer_norm(x_D, p.scale, p.bias, EPS).astype(BF16)
+    fc_F = jnp.dot(p.w_fc, h_D, preferred_element_type=F32)
+    g_F = gelu(_bf16(fc_F + p.b_fc)).astype(BF16)
+    return x_D + jnp.dot(p.w_proj, g_F, preferred_element_type=F32) + p.b_proj
+
+
+def xla_attention(x_D, p: Attention, k_HKS, v_HSK, pos) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`p` from `xla_layout` (the output weight [D, D] as [out, in])."""
+    (h, kd, s), d = k_HKS.shape, x_D.shape[0]
+    x_h = layer_norm(x_D, p.scale, p.bias, EPS).astype(BF16)
+    qkv = (jnp.dot(p.w_qkv, x_h, preferred_element_type=F32) + p.b_qkv).astype(BF16)
+    q_HK, k_HK, v_HK = qkv.reshape(3, h, kd)
+    k_HKS = jax.lax.dynamic_update_slice(k_HKS, k_HK[:, :, None], (0, 0, pos))
+    v_HSK = jax.lax.dynamic_update_slice(v_HSK, v_HK[:, None, :], (0, pos, 0))
+    scores_HS = jnp.einsum("hk,hks->hs", q_HK, k_HKS, preferred_element_type=F32) / math.sqrt(kd)
+    scores_HS = jnp.where(jnp.arange(s) <= pos, scores_HS, -jnp.inf)
+    probs_HS = jax.nn.softmax(scores_HS, axis=-1).astype(BF16)
+    y_D = jnp.einsum("hs,hsk->hk", probs_HS, v_HSK, preferred_element_type=F32).astype(BF16).reshape(d)
+    return x_D + jnp.dot(p.w_o, y_D, preferred_element_type=F32) + p.b_o, k_HKS, v_HSK
+
+
+def xla_layout(p: MLP | Attention) -> MLP | Attention:
+    """XLA's blocks take every weight [out, in] (made once, outside the timed steps)."""
+    if isinstance(p, MLP):
+        return p._replace(w_proj=jnp.asarray(p.w_proj.T.copy()))
+    return p._replace(w_o=jnp.asarray(p.w_o.T.copy()))
+
+
+# The Pallas kernels. Triton blocks are powers of two and GPT-2's 768 is not, so rows are read in
+# chunks of BK columns (static loops).
+
+def _normed_chunks(x_ref, s_ref, b_ref, BK: int) -> list[jax.Array]:
+    """LayerNorm(x) in chunks of BK entries, rounded to bf16 as the products take it."""
+    d = x_ref.shape[0]
+    xs = [x_ref[pl.ds(c * BK, BK)] for c in range(d // BK)]
+    mean = sum(jnp.sum(x) for x in xs) / d
+    rstd = jax.lax.rsqrt(sum(jnp.sum(jnp.square(x - mean)) for x in xs) / d + EPS)
+    return [_bf16((x - mean) * rstd * s_ref[pl.ds(c * BK, BK)] + b_ref[pl.ds(c * BK, BK)])
+            for c, x in enumerate(xs)]
+
+
+def _rows_times(w_ref, rows: pl.Slice, hs: list[jax.Array], BK: int) -> jax.Array:
+    """w[rows] @ h in float32, h given in chunks of BK."""
+    return sum(jnp.sum(w_ref[rows, pl.ds(c * BK, BK)].astype(F32) * h[None, :], axis=1)
+               for c, h in enumerate(hs))
+
+
+def _add_rows_times(o_ref, v: jax.Array, w_ref, rows: pl.Slice, BK: int, row: int | None) -> None:
+    """v @ w[rows] (float32) into o: added atomically (row None), or written as row `row` of o."""
+    for c in range(w_ref.shape[1] // BK):
+        cols = pl.ds(c * BK, BK)
+        part = jnp.sum(v[:, None] * w_ref[rows, cols].astype(F32), axis=0)
+        if row is None:
+            plt.atomic_add(o_ref, cols, part)
+        else:
+            o_ref[row, cols] = part
+
+
+def _add_residual(o_ref, x_ref, b_ref, BK: int) -> None:
+    """Program 0 adds x and the output bias into o (atomically: the other programs are adding)."""
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        for c in range(x_ref.shape[0] // BK):
+            cols = pl.ds(c * BK, BK)
+            plt.atomic_add(o_ref, cols, x_ref[cols] + b_ref[cols])
+
+
+def _mlp_kernel(x_ref, s_ref, b_ref, wfc_ref, bfc_ref, wp_ref, bp_ref, *refs, BF: int, BK: int, atomic: bool):
+    """Program j: hidden units [j BF, (j+1) BF) through fc, GELU and proj, into the output."""
+    o_ref, j = refs[-1], pl.program_id(0)
+    rows = pl.ds(j * BF, BF)
+    a = bfc_ref[rows] + _rows_times(wfc_ref, rows, _normed_chunks(x_ref, s_ref, b_ref, BK), BK)
+    _add_rows_times(o_ref, _bf16(gelu(_bf16(a))), wp_ref, rows, BK, None if atomic else j)
+    if atomic:
+        _add_residual(o_ref, x_ref, bp_ref, BK)
+
+
+def pallas_mlp(x_D: jax.Array, p: MLP, BF: int, BK: int, warps: int = 4, atomic: bool = False) -> jax.Array:
+    f, d = p.w_fc.shape
+    assert f % BF == 0 and d % BK == 0, (f, d, BF, BK)
+    kernel = functools.partial(_mlp_kernel, BF=BF, BK=BK, atomic=atomic)
+    args = (x_D, p.scale, p.bias, p.w_fc, p.b_fc, p.w_proj, p.b_proj)
+    if atomic:  # into zeros (XLA makes every block's in one kernel ahead of them)
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((d,), F32), grid=(f // BF,),
+                              input_output_aliases={len(args): 0}, interpret=not GPU,
+                              compiler_params=_params(warps))(*args, jnp.zeros((d,), F32))
+    part_PD = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((f // BF, d), F32), grid=(f // BF,),
+                             interpret=not GPU, compiler_params=_params(warps))(*args)
+    return x_D + part_PD.sum(0) + p.b_proj
+
+
+def _attend(q, k, v, k_ref, v_ref, h, pos, BS: int) -> jax.Array:
+    """Head h's attention output (float32 [K]) over cache positions [0, pos) and the new k, v at
+    pos (held here, not read back), as an online softmax over blocks of BS positions."""
+    qs = q * (1.0 / math.sqrt(q.shape[0]))
+    carry = (jnp.sum(qs * k), jnp.float32(1.0), v)  # running max, sum of exp, weighted values
+
+    def block(i, carry):
+        m, l, acc = carry
+        span = pl.ds(i * BS, BS)
+        s = jnp.sum(k_ref[h, :, span].astype(F32) * qs[:, None], axis=0)
+        s = jnp.where(i * BS + jnp.arange(BS) < pos, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s))
+        e, fix = jnp.exp(s - m_new), jnp.exp(m - m_new)
+        acc = acc * fix + jnp.sum(_bf16(e)[:, None] * v_ref[h, span, :].astype(F32), axis=0)
+        return m_new, l * fix + jnp.sum(e), acc
+
+    _, l, acc = jax.lax.fori_loop(0, (pos + BS - 1) // BS, block, carry)
+    return _bf16(acc / l)
+
+
+def _attention_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, wo_ref, bo_ref, _k, _v, _o,
+                      o_ref, k_ref, v_ref, *, BK: int, BS: int):
+    """Program h: head h's q, k, v; k and v into the cache at pos; attention; its output rows."""
+    h, pos = pl.program_id(0), pos_ref[0]
+    (_, kd, _), d = k_ref.shape, x_ref.shape[0]
+    hs = _normed_chunks(x_ref, s_ref, b_ref, BK)
+    rows = [pl.ds(i * d + h * kd, kd) for i in range(3)]  # head h's rows of q, k and v
+    q, k, v = (_bf16(bqkv_ref[r] + _rows_times(wqkv_ref, r, hs, BK)) for r in rows)
+    k_ref[h, :, pos] = k.astype(k_ref.dtype)
+    v_ref[h, pos, :] = v.astype(v_ref.dtype)
+    _add_rows_times(o_ref, _attend(q, k, v, k_ref, v_ref, h, pos, BS), wo_ref, pl.ds(h * kd, kd), BK, None)
+    _add_residual(o_ref, x_ref, bo_ref, BK)
+
+
+def pallas_attention(x_D, p: Attention, k_HKS, v_HSK, pos, BK: int, BS: int, warps: int = 4
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    h, _, s = k_HKS.shape
+    assert x_D.shape[0] % BK == 0 and s % BS == 0, (x_D.shape, s, BK, BS)
+    kernel = functools.partial(_attention_kernel, BK=BK, BS=BS)
+    args = (jnp.reshape(pos, (1,)).astype(jnp.int32), x_D, *p, k_HKS, v_HSK, jnp.zeros_like(x_D))
+    out = (jax.ShapeDtypeStruct(x_D.shape, F32), jax.ShapeDtypeStruct(k_HKS.shape, k_HKS.dtype),
+           jax.ShapeDtypeStruct(v_HSK.shape, v_HSK.dtype))
+    n = len(args)  # the output is written into the zeros, the keys and values into the cache
+    return pl.pallas_call(kernel, out_shape=out, grid=(h,), input_output_aliases={n - 1: 0, n - 3: 1, n - 2: 2},
+                          interpret=not GPU, compiler_params=_params(warps))(*args)
+
+
+def mlp_variants() -> dict[str, tuple[Callable, Callable]]:
+    """name -> (its parameters' layout, block(x, p) -> x)."""
+    out = {"xla": (xla_layout, xla_mlp)}
+    for BF, BK, warps, atomic in MLP_PALLAS:
+        out[f"{'atomic' if atomic else 'pallas'} BF{BF} BK{BK} w{warps}"] = (lambda p: p, functools.partial(
+            pallas_mlp, BF=BF, BK=BK, warps=warps, atomic=atomic))
+    return out
+
+
+def attention_variants() -> dict[str, tuple[Callable, Callable]]:
+    """name -> (its parameters' layout, block(x, p, keys, values, pos) -> (x, keys, values))."""
+    out = {"xla": (xla_layout, xla_attention)}
+    for BK, BS, warps in ATTENTION_PALLAS:
+        out[f"pallas BK{BK} BS{BS} w{warps}"] = (lambda p: p, functools.partial(
+            pallas_attention, BK=BK, BS=BS, warps=warps))
+    return out
+
+
+def _ln64(x: np.ndarray, p) -> np.ndarray:
+    scale, bias = (np.asarray(a, np.float64) for a in (p.scale, p.bias))
+    return (x - x.mean()) / np.sqrt(x.var() + EPS) * scale + bias
+
+
+def reference_mlp(x_D, p: MLP) -> np.ndarray:
+    """The MLP block in float64 from the same (bf16) weights, with no intermediate rounding."""
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    x = f64(x_D)
+    a = f64(p.w_fc) @ _ln64(x, p) + f64(p.b_fc)
+    return x + f64(gelu(a)) @ f64(p.w_proj) + f64(p.b_proj)
+
+
+def reference_attention(x_D, p: Attention, k_HKS, v_HSK, pos: int) -> np.ndarray:
+    """The attention block in float64: the cache's earlier positions as held (bf16), the new
+    position's key and value unrounded."""
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    (h, kd, _), x = k_HKS.shape, f64(x_D)
+    q, k, v = (f64(p.w_qkv) @ _ln64(x, p) + f64(p.b_qkv)).reshape(3, h, kd)
+    keys, values = f64(k_HKS)[:, :, :pos + 1].copy(), f64(v_HSK)[:, :pos + 1].copy()
+    keys[:, :, pos], values[:, pos] = k, v
+    s = np.einsum("hk,hks->hs", q, keys) / math.sqrt(kd)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    y = np.einsum("hs,hsk->hk", e / e.sum(-1, keepdims=True), values).reshape(-1)
+    return x + y @ f64(p.w_o) + f64(p.b_o)
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def check_mlp(key: jax.Array, d: int = D, f: int = F) -> dict[str, dict[str, float]]:
+    """Each variant's relative error against the float64 block and its relative difference from
+    XLA's (the residual x subtracted from each, so that both are of what the block adds)."""
+    kx, kp = jax.random.split(key)
+    x, p = jax.random.normal(kx, (d,)), random_mlp(kp, d, f)
+    x64 = np.asarray(x, np.float64)
+    out = {name: np.asarray(jax.jit(block)(x, layout(p)), np.float64) - x64
+           for name, (layout, block) in mlp_variants().items()}
+    ref = reference_mlp(x, p) - x64
+    return {name: {"vs_float64": _rel(y, ref), "vs_xla": _rel(y, out["xla"])} for name, y in out.items()}
+
+
+def check_attention(key: jax.Array, d: int = D, h: int = H, s: int = 256, pos: int = 100
+                    ) -> dict[str, dict[str, float]]:
+    """As `check_mlp`, and "cache": the largest relative difference of the written key and value
+    from XLA's; every other cache entry must come back unchanged (else the check fails)."""
+    kx, kp, kc = jax.random.split(key, 3)
+    x, p = jax.random.normal(kx, (d,)), random_attention(kp, d)
+    keys, values = random_cache(kc, h, d // h, s)
+    x64, at = np.asarray(x, np.float64), jnp.int32(pos)
+    out = {name: [np.asarray(a, np.float64) for a in jax.jit(block)(x, layout(p), keys, values, at)]
+           for name, (layout, block) in attention_variants().items()}
+    ref = reference_attention(x, p, keys, values, pos) - x64
+    errs = {}
+    for name, (y, k, v) in out.items():
+        kx_, vx_ = out["xla"][1], out["xla"][2]
+        others = [np.delete(k, pos, axis=2), np.delete(v, pos, axis=1)]
+        if not all(np.array_equal(a, np.delete(np.asarray(b, np.float64), pos, axis=ax))
+                   for a, b, ax in zip(others, (keys, values), (2, 1))):
+            raise AssertionError(f"{name} changed the cache away from position {pos}")
+        errs[name] = {"vs_float64": _rel(y - x64, ref), "vs_xla": _rel(y - x64, out["xla"][0] - x64),
+                      "cache": max(_rel(k[:, :, pos], kx_[:, :, pos]), _rel(v[:, pos], vx_[:, pos]))}
+    return errs
+
+
+def time_mlp(key: jax.Array, n: int, reps: int) -> dict:
+    ps = [random_mlp(jax.random.fold_in(key, i)) for i in range(n)]
+    x = jax.random.normal(key, (D,))
+    rows = {}
+    for name, (layout, block) in mlp_variants().items():
+        qs = [layout(p) for p in ps]
+
+        def step(qs, x, block=block):
+            for p in qs:
+                x = block(x, p)
+            return x
+        us = 1e6 * seconds_per_call(jax.jit(step), qs, x, reps=reps) / n
+        rows[name] = {"us": us, "read_gbps": 2 * F * D * 2 / us / 1e3}
+        print(f"mlp       {name:24s} {us:8.2f} us {rows[name]['read_gbps']:8.0f} GB/s", flush=True)
+    return rows
+
+
+def _seconds_threading(f, args: tuple, state, reps: int) -> float:
+    """Best of three batches of `reps` calls of f(*args, state) -> (out, state), each call taking
+    the state (donated) that the last returned."""
+    out, state = f(*args, state)
+    jax.block_until_ready(out)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out, state = f(*args, state)
+        jax.block_until_ready((out, state))
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def time_attention(key: jax.Array, n: int, reps: int, s: int, pos: int) -> dict:
+    ps = [random_attention(jax.random.fold_in(key, i)) for i in range(n)]
+    x, at = jax.random.normal(key, (D,)), jnp.int32(pos)
+    read = (4 * D * D + (pos + 1) * 2 * D) * 2  # weights, and keys and values up to pos
+    rows = {}
+    for name, (layout, block) in attention_variants().items():
+        qs = [layout(p) for p in ps]
+        caches = [random_cache(jax.random.fold_in(key, n + i), H, D // H, s) for i in range(n)]
+
+        def step(qs, x, at, caches, block=block):
+            new = []
+            for p, (k, v) in zip(qs, caches):
+                x, k, v = block(x, p, k, v, at)
+                new.append((k, v))
+            return x, new
+        us = 1e6 * _seconds_threading(jax.jit(step, donate_argnums=(3,)), (qs, x, at), caches, reps) / n
+        rows[name] = {"us": us, "read_gbps": read / us / 1e3}
+        print(f"attention {name:24s} {us:8.2f} us {rows[name]['read_gbps']:8.0f} GB/s", flush=True)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chain", type=int, default=12, help="blocks (distinct weights) per timed chain")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--seq", type=int, default=1024, help="the cache's positions")
+    ap.add_argument("--pos", type=int, default=512, help="the position decoded (< --seq)")
+    args = ap.parse_args(argv)
+    if not 0 <= args.pos < args.seq or args.seq % 128:
+        ap.error(f"--pos={args.pos} must be in [0, --seq={args.seq}), and --seq a multiple of 128")
+    key = jax.random.key(0)
+    errors = {"mlp": check_mlp(key), "attention": check_attention(key)}
+    worst = max(e["vs_float64"] for block in errors.values() for e in block.values())
+    apart = {b: max(e["vs_xla"] for e in errors[b].values()) for b in errors}
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; largest relative error against "
+          f"float64: {worst:.1e}; largest difference from XLA's block: MLP {apart['mlp']:.1e}, attention "
+          f"{apart['attention']:.1e}", flush=True)
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "errors": errors,
+              "seq": args.seq, "pos": args.pos}
+    if GPU:
+        result["mlp"] = time_mlp(key, args.chain, args.reps)
+        result["attention"] = time_attention(key, args.chain, args.reps, args.seq, args.pos)
+    print(json.dumps(result))
+    return 0 if worst < 2e-2 and apart["mlp"] < 1e-4 and apart["attention"] < 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
