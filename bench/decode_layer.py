@@ -1,6 +1,6 @@
 """One batch-1 decoding step's layer on the accelerator: XLA's kernels against two Pallas kernels.
 
-    python bench/decode_layer.py [--chain=12] [--reps=20] [--seq=1024] [--pos=512]
+    python bench/decode_layer.py [--chain=12] [--loops=4] [--reps=10] [--seq=1024] [--pos=512]
 
 A GPT-2 token on a GPU is about 170 kernels of 2-3 us each, most far from the memory bandwidth
 (BENCHMARKS.md): XLA runs a layer as about fourteen. XLA's products alone cap batch-1 decoding
@@ -12,20 +12,24 @@ on it, whether a layer as two hand-written (Pallas, Triton) kernels does better:
   by its BF rows of fc's weight held [F, D], adds the bias, applies GELU, multiplies by its BF rows
   of proj's weight held [F, D] (both contiguous rows, each weight read once in all), and writes a
   partial output row that XLA sums with the bias and x after (`pallas`), or adds it into the
-  output (`atomic`; program 0 also adds x and the bias);
+  output (`atomic`: a buffer of zeros; program 0 also adds x and the bias, and clears the buffer
+  the next block will add into, so that nothing makes zeros between blocks: `Flow`);
 - the attention block, x + out(attention(qkv(LayerNorm(x)), cache)) at position `pos`: program h
   takes head h: its q, k and v from its rows of the qkv weight [3D, D], writes k and v into the
   cache (keys [H, K, S], values [H, S, K], the sampler's layouts), attends over positions up to pos
   only (an online softmax over blocks of BS), and adds its rows of the output product into the
-  output.
+  output as the atomic MLP kernel does. Only H programs (12 of an H200's 132 SMs): if it is slow,
+  that is a first suspect.
 
 XLA's blocks take the weights [out, in], its fastest layout for one-row products (bench/matvec.py),
 and attend over the whole cache under a mask, as the sampler does. Every variant is checked against
 a float64 block and against XLA's. Timed as chains of `--chain` blocks with distinct weights (and
-caches) inside one jit, as a decoding step runs them; per block: microseconds and the read bandwidth
-they imply (weights, and for attention the cache up to pos). On CPU the kernels run in Pallas's
-interpreter and only their values are checked (no timings). The last line printed is one JSON
-object. Figures: BENCHMARKS.md.
+caches), more bytes than the L2 cache, run `--loops` times in one jit call (so that dispatching
+the call is not what is timed), as a decoding step runs them; per block: microseconds and the
+read bandwidth they imply (weights, and for attention the cache up to pos). A variant that fails
+(on the device: Triton out of resources, say) is its row's error, and the others still run. On
+CPU the kernels run in Pallas's interpreter and only their values are checked (no timings). The
+last line printed is one JSON object. Figures: BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.matvec import GPU, _params, seconds_per_call  # noqa: E402
+from bench.matvec import GPU, _params  # noqa: E402
 from gpt.ops.norm import layer_norm  # noqa: E402
 
 D, F, H, EPS = 768, 3072, 12, 1e-5  # GPT-2's width, hidden width, heads and LayerNorm epsilon
@@ -111,6 +115,30 @@ def _bf16(a: jax.Array) -> jax.Array:
     return a.astype(BF16).astype(F32)
 
 
+class Flow(NamedTuple):
+    """The residual stream x [D] and two [D] buffers of zeros. A one-kernel block's programs cannot
+    order a residual add among themselves, so they add their parts into `zero` (program 0 adds x
+    and the bias); program 0 also clears `spare`, the x of the block before last, which becomes the
+    next block's `zero`. Three buffers in rotation: no kernel, copy or memset makes zeros between
+    blocks (in a loop, a fresh zeros array each block compiled to a copy each). Other blocks leave
+    the two buffers alone."""
+    x: jax.Array
+    zero: jax.Array
+    spare: jax.Array
+
+
+def start_flow(x_D: jax.Array) -> Flow:
+    return Flow(x_D, jnp.zeros_like(x_D), jnp.zeros_like(x_D))
+
+
+def _on_x(block: Callable) -> Callable:
+    """A block of x (x -> x, or -> (x, keys, values)) as a block of the flow."""
+    def flow_block(flow: Flow, *args):
+        out = block(flow.x, *args)
+        return flow._replace(x=out) if not isinstance(out, tuple) else (flow._replace(x=out[0]), *out[1:])
+    return flow_block
+
+
 # XLA's blocks, as the sampler's model runs them: bf16 inputs to the products (float32 sums), the
 # bias added in float32 and rounded back, the residual stream float32.
 
@@ -174,37 +202,52 @@ def _add_rows_times(o_ref, v: jax.Array, w_ref, rows: pl.Slice, BK: int, row: in
             o_ref[row, cols] = part
 
 
-def _add_residual(o_ref, x_ref, b_ref, BK: int) -> None:
-    """Program 0 adds x and the output bias into o (atomically: the other programs are adding)."""
+def _add_residual(o_ref, cleared_ref, x_ref, b_ref, BK: int) -> None:
+    """Program 0 adds x and the output bias into o (atomically: the other programs are adding) and
+    clears the flow's spare buffer (`Flow`)."""
     @pl.when(pl.program_id(0) == 0)
     def _():
         for c in range(x_ref.shape[0] // BK):
             cols = pl.ds(c * BK, BK)
             plt.atomic_add(o_ref, cols, x_ref[cols] + b_ref[cols])
+            cleared_ref[cols] = jnp.zeros((BK,), F32)
 
 
 def _mlp_kernel(x_ref, s_ref, b_ref, wfc_ref, bfc_ref, wp_ref, bp_ref, *refs, BF: int, BK: int, atomic: bool):
-    """Program j: hidden units [j BF, (j+1) BF) through fc, GELU and proj, into the output."""
-    o_ref, j = refs[-1], pl.program_id(0)
+    """Program j: hidden units [j BF, (j+1) BF) through fc, GELU and proj, into the output: its
+    partial row j, or (`atomic`) added into the flow's zeros, whose spare buffer it clears."""
+    j = pl.program_id(0)
     rows = pl.ds(j * BF, BF)
     a = bfc_ref[rows] + _rows_times(wfc_ref, rows, _normed_chunks(x_ref, s_ref, b_ref, BK), BK)
-    _add_rows_times(o_ref, _bf16(gelu(_bf16(a))), wp_ref, rows, BK, None if atomic else j)
+    g = _bf16(gelu(_bf16(a)))
     if atomic:
-        _add_residual(o_ref, x_ref, bp_ref, BK)
+        _add_rows_times(refs[-2], g, wp_ref, rows, BK, None)
+        _add_residual(*refs[-2:], x_ref, bp_ref, BK)
+    else:
+        _add_rows_times(refs[-1], g, wp_ref, rows, BK, j)
 
 
-def pallas_mlp(x_D: jax.Array, p: MLP, BF: int, BK: int, warps: int = 4, atomic: bool = False) -> jax.Array:
+def pallas_mlp(x_D: jax.Array, p: MLP, BF: int, BK: int, warps: int = 4) -> jax.Array:
+    """The kernel writing F / BF partial rows, which XLA sums with the bias and x."""
     f, d = p.w_fc.shape
     assert f % BF == 0 and d % BK == 0, (f, d, BF, BK)
-    kernel = functools.partial(_mlp_kernel, BF=BF, BK=BK, atomic=atomic)
-    args = (x_D, p.scale, p.bias, p.w_fc, p.b_fc, p.w_proj, p.b_proj)
-    if atomic:  # into zeros (XLA makes every block's in one kernel ahead of them)
-        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((d,), F32), grid=(f // BF,),
-                              input_output_aliases={len(args): 0}, interpret=not GPU,
-                              compiler_params=_params(warps))(*args, jnp.zeros((d,), F32))
+    kernel = functools.partial(_mlp_kernel, BF=BF, BK=BK, atomic=False)
     part_PD = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((f // BF, d), F32), grid=(f // BF,),
-                             interpret=not GPU, compiler_params=_params(warps))(*args)
+                             interpret=not GPU, compiler_params=_params(warps))(x_D, *p)
     return x_D + part_PD.sum(0) + p.b_proj
+
+
+def atomic_mlp(flow: Flow, p: MLP, BF: int, BK: int, warps: int = 4) -> Flow:
+    """The kernel adding into the flow's zeros: the whole block is one kernel."""
+    f, d = p.w_fc.shape
+    assert f % BF == 0 and d % BK == 0, (f, d, BF, BK)
+    kernel = functools.partial(_mlp_kernel, BF=BF, BK=BK, atomic=True)
+    args = (flow.x, *p, flow.zero, flow.spare)
+    n, vec = len(args), jax.ShapeDtypeStruct((d,), F32)
+    y, cleared = pl.pallas_call(kernel, out_shape=(vec, vec), grid=(f // BF,),
+                                input_output_aliases={n - 2: 0, n - 1: 1}, interpret=not GPU,
+                                compiler_params=_params(warps))(*args)
+    return Flow(y, cleared, flow.x)
 
 
 def _attend(q, k, v, k_ref, v_ref, h, pos, BS: int) -> jax.Array:
@@ -216,19 +259,20 @@ def _attend(q, k, v, k_ref, v_ref, h, pos, BS: int) -> jax.Array:
     def block(i, carry):
         m, l, acc = carry
         span = pl.ds(i * BS, BS)
-        s = jnp.sum(k_ref[h, :, span].astype(F32) * qs[:, None], axis=0)
-        s = jnp.where(i * BS + jnp.arange(BS) < pos, s, -jnp.inf)
+        valid = i * BS + jnp.arange(BS) < pos  # what the last block holds past pos may be anything
+        s = jnp.where(valid, jnp.sum(k_ref[h, :, span].astype(F32) * qs[:, None], axis=0), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s))
         e, fix = jnp.exp(s - m_new), jnp.exp(m - m_new)
-        acc = acc * fix + jnp.sum(_bf16(e)[:, None] * v_ref[h, span, :].astype(F32), axis=0)
+        v_SK = jnp.where(valid[:, None], v_ref[h, span, :].astype(F32), 0.0)
+        acc = acc * fix + jnp.sum(_bf16(e)[:, None] * v_SK, axis=0)
         return m_new, l * fix + jnp.sum(e), acc
 
     _, l, acc = jax.lax.fori_loop(0, (pos + BS - 1) // BS, block, carry)
     return _bf16(acc / l)
 
 
-def _attention_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, wo_ref, bo_ref, _k, _v, _o,
-                      o_ref, k_ref, v_ref, *, BK: int, BS: int):
+def _attention_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, wo_ref, bo_ref, _k, _v, _zero, _spare,
+                      o_ref, k_ref, v_ref, cleared_ref, *, BK: int, BS: int):
     """Program h: head h's q, k, v; k and v into the cache at pos; attention; its output rows."""
     h, pos = pl.program_id(0), pos_ref[0]
     (_, kd, _), d = k_ref.shape, x_ref.shape[0]
@@ -238,34 +282,38 @@ def _attention_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, wo_ref, 
     k_ref[h, :, pos] = k.astype(k_ref.dtype)
     v_ref[h, pos, :] = v.astype(v_ref.dtype)
     _add_rows_times(o_ref, _attend(q, k, v, k_ref, v_ref, h, pos, BS), wo_ref, pl.ds(h * kd, kd), BK, None)
-    _add_residual(o_ref, x_ref, bo_ref, BK)
+    _add_residual(o_ref, cleared_ref, x_ref, bo_ref, BK)
 
 
-def pallas_attention(x_D, p: Attention, k_HKS, v_HSK, pos, BK: int, BS: int, warps: int = 4
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def pallas_attention(flow: Flow, p: Attention, k_HKS, v_HSK, pos, BK: int, BS: int, warps: int = 4
+                     ) -> tuple[Flow, jax.Array, jax.Array]:
+    """The block as one kernel adding into the flow's zeros; the keys and values written in place."""
     h, _, s = k_HKS.shape
-    assert x_D.shape[0] % BK == 0 and s % BS == 0, (x_D.shape, s, BK, BS)
+    assert flow.x.shape[0] % BK == 0 and s % BS == 0, (flow.x.shape, s, BK, BS)
     kernel = functools.partial(_attention_kernel, BK=BK, BS=BS)
-    args = (jnp.reshape(pos, (1,)).astype(jnp.int32), x_D, *p, k_HKS, v_HSK, jnp.zeros_like(x_D))
-    out = (jax.ShapeDtypeStruct(x_D.shape, F32), jax.ShapeDtypeStruct(k_HKS.shape, k_HKS.dtype),
-           jax.ShapeDtypeStruct(v_HSK.shape, v_HSK.dtype))
-    n = len(args)  # the output is written into the zeros, the keys and values into the cache
-    return pl.pallas_call(kernel, out_shape=out, grid=(h,), input_output_aliases={n - 1: 0, n - 3: 1, n - 2: 2},
-                          interpret=not GPU, compiler_params=_params(warps))(*args)
+    args = (jnp.reshape(pos, (1,)).astype(jnp.int32), flow.x, *p, k_HKS, v_HSK, flow.zero, flow.spare)
+    vec = jax.ShapeDtypeStruct(flow.x.shape, F32)
+    out = (vec, jax.ShapeDtypeStruct(k_HKS.shape, k_HKS.dtype), jax.ShapeDtypeStruct(v_HSK.shape, v_HSK.dtype), vec)
+    n = len(args)
+    y, k_HKS, v_HSK, cleared = pl.pallas_call(
+        kernel, out_shape=out, grid=(h,), input_output_aliases={n - 2: 0, n - 4: 1, n - 3: 2, n - 1: 3},
+        interpret=not GPU, compiler_params=_params(warps))(*args)
+    return Flow(y, cleared, flow.x), k_HKS, v_HSK
 
 
 def mlp_variants() -> dict[str, tuple[Callable, Callable]]:
-    """name -> (its parameters' layout, block(x, p) -> x)."""
-    out = {"xla": (xla_layout, xla_mlp)}
+    """name -> (its parameters' layout, block(flow, p) -> flow)."""
+    out = {"xla": (xla_layout, _on_x(xla_mlp))}
     for BF, BK, warps, atomic in MLP_PALLAS:
-        out[f"{'atomic' if atomic else 'pallas'} BF{BF} BK{BK} w{warps}"] = (lambda p: p, functools.partial(
-            pallas_mlp, BF=BF, BK=BK, warps=warps, atomic=atomic))
+        block = functools.partial(atomic_mlp if atomic else pallas_mlp, BF=BF, BK=BK, warps=warps)
+        out[f"{'atomic' if atomic else 'pallas'} BF{BF} BK{BK} w{warps}"] = (
+            lambda p: p, block if atomic else _on_x(block))
     return out
 
 
 def attention_variants() -> dict[str, tuple[Callable, Callable]]:
-    """name -> (its parameters' layout, block(x, p, keys, values, pos) -> (x, keys, values))."""
-    out = {"xla": (xla_layout, xla_attention)}
+    """name -> (its parameters' layout, block(flow, p, keys, values, pos) -> (flow, keys, values))."""
+    out = {"xla": (xla_layout, _on_x(xla_attention))}
     for BK, BS, warps in ATTENTION_PALLAS:
         out[f"pallas BK{BK} BS{BS} w{warps}"] = (lambda p: p, functools.partial(
             pallas_attention, BK=BK, BS=BS, warps=warps))
@@ -282,7 +330,8 @@ def reference_mlp(x_D, p: MLP) -> np.ndarray:
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
     x = f64(x_D)
     a = f64(p.w_fc) @ _ln64(x, p) + f64(p.b_fc)
-    return x + f64(gelu(a)) @ f64(p.w_proj) + f64(p.b_proj)
+    g = 0.5 * a * (1.0 + np.tanh(0.7978845608028654 * (a + 0.044715 * a ** 3)))
+    return x + g @ f64(p.w_proj) + f64(p.b_proj)
 
 
 def reference_attention(x_D, p: Attention, k_HKS, v_HSK, pos: int) -> np.ndarray:
@@ -303,117 +352,159 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def check_mlp(key: jax.Array, d: int = D, f: int = F) -> dict[str, dict[str, float]]:
+def _attempt(fn: Callable):
+    """fn(), or its failure as {"error": ...}: one variant that fails on the device (Triton out of
+    resources, say) is that variant's row, and the others still run."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001  (recorded, not hidden: the row says what it was)
+        return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"}
+
+
+def check_mlp(key: jax.Array, d: int = D, f: int = F) -> dict[str, dict]:
     """Each variant's relative error against the float64 block and its relative difference from
     XLA's (the residual x subtracted from each, so that both are of what the block adds)."""
     kx, kp = jax.random.split(key)
     x, p = jax.random.normal(kx, (d,)), random_mlp(kp, d, f)
     x64 = np.asarray(x, np.float64)
-    out = {name: np.asarray(jax.jit(block)(x, layout(p)), np.float64) - x64
-           for name, (layout, block) in mlp_variants().items()}
     ref = reference_mlp(x, p) - x64
-    return {name: {"vs_float64": _rel(y, ref), "vs_xla": _rel(y, out["xla"])} for name, y in out.items()}
+    out = {name: _attempt(lambda v=v: _outputs(jax.jit(v[1])(_test_flow(x), v[0](p)))[0] - x64)
+           for name, v in mlp_variants().items()}
+    return {name: y if isinstance(y, dict) else {"vs_float64": _rel(y, ref), "vs_xla": _rel(y, out["xla"])}
+            for name, y in out.items()}
 
 
-def check_attention(key: jax.Array, d: int = D, h: int = H, s: int = 256, pos: int = 100
-                    ) -> dict[str, dict[str, float]]:
-    """As `check_mlp`, and "cache": the largest relative difference of the written key and value
-    from XLA's; every other cache entry must come back unchanged (else the check fails)."""
+def _test_flow(x_D: jax.Array) -> Flow:
+    """A flow whose spare buffer is not zeros, so that a block that should clear it is checked."""
+    return Flow(x_D, jnp.zeros_like(x_D), jnp.ones_like(x_D))
+
+
+def _outputs(out) -> list[np.ndarray]:
+    """A block's flow (or flow, keys, values) as float64 arrays: x first, then keys and values;
+    raises if the flow's next zeros are not zeros."""
+    flow, *rest = out if isinstance(out, tuple) and isinstance(out[0], Flow) else (out,)
+    if np.any(np.asarray(flow.zero)):
+        raise AssertionError("the next block's zeros are not zeros")
+    return [np.asarray(a, np.float64) for a in (flow.x, *rest)]
+
+
+def _attention_errors(got, xla, ref, x64, keys, values, pos: int) -> dict:
+    """One attention variant's errors (its output y, keys k and values v as float64 arrays); "cache":
+    the largest relative difference of the key and value written at pos from XLA's. Every other
+    cache entry must come back as it was."""
+    y, k, v = got
+    for new, old, axis in ((k, keys, 2), (v, values, 1)):
+        if not np.array_equal(np.delete(new, pos, axis), np.delete(np.asarray(old, np.float64), pos, axis)):
+            return {"error": f"changed the cache away from position {pos}"}
+    return {"vs_float64": _rel(y - x64, ref), "vs_xla": _rel(y - x64, xla[0] - x64),
+            "cache": max(_rel(k[:, :, pos], xla[1][:, :, pos]), _rel(v[:, pos], xla[2][:, pos]))}
+
+
+def check_attention(key: jax.Array, d: int = D, h: int = H, s: int = 256, pos: int = 100) -> dict[str, dict]:
+    """As `check_mlp` for the attention block at position `pos` of an `s`-position cache."""
     kx, kp, kc = jax.random.split(key, 3)
     x, p = jax.random.normal(kx, (d,)), random_attention(kp, d)
     keys, values = random_cache(kc, h, d // h, s)
     x64, at = np.asarray(x, np.float64), jnp.int32(pos)
-    out = {name: [np.asarray(a, np.float64) for a in jax.jit(block)(x, layout(p), keys, values, at)]
-           for name, (layout, block) in attention_variants().items()}
+    run = lambda layout, block: _outputs(jax.jit(block)(_test_flow(x), layout(p), keys, values, at))  # noqa: E731
+    out = {name: _attempt(lambda v=v: run(*v)) for name, v in attention_variants().items()}
     ref = reference_attention(x, p, keys, values, pos) - x64
-    errs = {}
-    for name, (y, k, v) in out.items():
-        kx_, vx_ = out["xla"][1], out["xla"][2]
-        others = [np.delete(k, pos, axis=2), np.delete(v, pos, axis=1)]
-        if not all(np.array_equal(a, np.delete(np.asarray(b, np.float64), pos, axis=ax))
-                   for a, b, ax in zip(others, (keys, values), (2, 1))):
-            raise AssertionError(f"{name} changed the cache away from position {pos}")
-        errs[name] = {"vs_float64": _rel(y - x64, ref), "vs_xla": _rel(y - x64, out["xla"][0] - x64),
-                      "cache": max(_rel(k[:, :, pos], kx_[:, :, pos]), _rel(v[:, pos], vx_[:, pos]))}
-    return errs
+    return {name: got if isinstance(got, dict) else _attention_errors(got, out["xla"], ref, x64, keys, values, pos)
+            for name, got in out.items()}
 
 
-def time_mlp(key: jax.Array, n: int, reps: int) -> dict:
-    ps = [random_mlp(jax.random.fold_in(key, i)) for i in range(n)]
-    x = jax.random.normal(key, (D,))
-    rows = {}
-    for name, (layout, block) in mlp_variants().items():
-        qs = [layout(p) for p in ps]
-
-        def step(qs, x, block=block):
-            for p in qs:
-                x = block(x, p)
-            return x
-        us = 1e6 * seconds_per_call(jax.jit(step), qs, x, reps=reps) / n
-        rows[name] = {"us": us, "read_gbps": 2 * F * D * 2 / us / 1e3}
-        print(f"mlp       {name:24s} {us:8.2f} us {rows[name]['read_gbps']:8.0f} GB/s", flush=True)
-    return rows
-
-
-def _seconds_threading(f, args: tuple, state, reps: int) -> float:
-    """Best of three batches of `reps` calls of f(*args, state) -> (out, state), each call taking
-    the state (donated) that the last returned."""
-    out, state = f(*args, state)
-    jax.block_until_ready(out)
+def _seconds(f, args: tuple, state, reps: int) -> float:
+    """Best of three batches of `reps` calls of f(*args, state) -> state, each call taking the
+    state (donated) that the last returned."""
+    state = jax.block_until_ready(f(*args, state))
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
         for _ in range(reps):
-            out, state = f(*args, state)
-        jax.block_until_ready((out, state))
+            state = f(*args, state)
+        jax.block_until_ready(state)
         best = min(best, (time.perf_counter() - t0) / reps)
     return best
 
 
-def time_attention(key: jax.Array, n: int, reps: int, s: int, pos: int) -> dict:
+def _timed(f, args: tuple, state, reps: int, blocks: int, read: int) -> dict:
+    us = 1e6 * _seconds(jax.jit(f, donate_argnums=(len(args),)), args, state, reps) / blocks
+    return {"us": us, "read_gbps": read / us / 1e3}
+
+
+def time_mlp(key: jax.Array, n: int, loops: int, reps: int) -> dict:
+    """Per block: a chain of n blocks (distinct weights) run `loops` times in one call, so that
+    dispatching the call's hundred arguments is not what is timed."""
+    ps = [random_mlp(jax.random.fold_in(key, i)) for i in range(n)]
+    rows = {}
+    for name, (layout, block) in mlp_variants().items():
+        def step(qs, flow, block=block):
+            return jax.lax.fori_loop(0, loops, lambda _, flow: functools.reduce(block, qs, flow), flow)
+        flow = start_flow(jax.random.normal(key, (D,)))
+        rows[name] = _attempt(lambda: _timed(step, ([layout(p) for p in ps],), flow, reps, n * loops, 2 * F * D * 2))
+        print(f"mlp       {name:24s} {rows[name]}", flush=True)
+    return rows
+
+
+def _attention_chain(block, qs: list[Attention], at, state):
+    """One run of the chain: block i with its parameters qs[i] and its cache state[1][i]."""
+    flow, caches = state
+    new = []
+    for p, (k, v) in zip(qs, caches):
+        flow, k, v = block(flow, p, k, v, at)
+        new.append((k, v))
+    return flow, new
+
+
+def time_attention(key: jax.Array, n: int, loops: int, reps: int, s: int, pos: int) -> dict:
+    """As `time_mlp`, each block with a cache of its own (donated: written in place). The bytes
+    are those a block must read, the weights and keys and values up to pos; XLA's block reads the
+    whole cache under a mask, as the sampler does."""
     ps = [random_attention(jax.random.fold_in(key, i)) for i in range(n)]
-    x, at = jax.random.normal(key, (D,)), jnp.int32(pos)
-    read = (4 * D * D + (pos + 1) * 2 * D) * 2  # weights, and keys and values up to pos
+    read = (4 * D * D + (pos + 1) * 2 * D) * 2
     rows = {}
     for name, (layout, block) in attention_variants().items():
-        qs = [layout(p) for p in ps]
+        def step(qs, at, state, block=block):
+            return jax.lax.fori_loop(0, loops, lambda _, st: _attention_chain(block, qs, at, st), state)
         caches = [random_cache(jax.random.fold_in(key, n + i), H, D // H, s) for i in range(n)]
-
-        def step(qs, x, at, caches, block=block):
-            new = []
-            for p, (k, v) in zip(qs, caches):
-                x, k, v = block(x, p, k, v, at)
-                new.append((k, v))
-            return x, new
-        us = 1e6 * _seconds_threading(jax.jit(step, donate_argnums=(3,)), (qs, x, at), caches, reps) / n
-        rows[name] = {"us": us, "read_gbps": read / us / 1e3}
-        print(f"attention {name:24s} {us:8.2f} us {rows[name]['read_gbps']:8.0f} GB/s", flush=True)
+        state = (start_flow(jax.random.normal(key, (D,))), caches)
+        rows[name] = _attempt(lambda: _timed(step, ([layout(p) for p in ps], jnp.int32(pos)), state, reps,
+                                             n * loops, read))
+        print(f"attention {name:24s} {rows[name]}", flush=True)
     return rows
+
+
+def _worst(errors: dict, key: str) -> float:
+    """The largest of an error over every variant; inf if a variant failed."""
+    return max(e.get(key, float("inf")) for e in errors.values())
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chain", type=int, default=12, help="blocks (distinct weights) per timed chain")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--loops", type=int, default=4, help="runs of the chain per timed call")
+    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seq", type=int, default=1024, help="the cache's positions")
     ap.add_argument("--pos", type=int, default=512, help="the position decoded (< --seq)")
     args = ap.parse_args(argv)
-    if not 0 <= args.pos < args.seq or args.seq % 128:
-        ap.error(f"--pos={args.pos} must be in [0, --seq={args.seq}), and --seq a multiple of 128")
+    if not 0 <= args.pos < args.seq or args.seq % 128 or min(args.chain, args.loops, args.reps) < 1:
+        ap.error(f"--pos={args.pos} must be in [0, --seq={args.seq}), --seq a multiple of 128, and "
+                 f"--chain, --loops and --reps positive")
     key = jax.random.key(0)
     errors = {"mlp": check_mlp(key), "attention": check_attention(key)}
-    worst = max(e["vs_float64"] for block in errors.values() for e in block.values())
-    apart = {b: max(e["vs_xla"] for e in errors[b].values()) for b in errors}
+    worst = max(_worst(e, "vs_float64") for e in errors.values())
+    apart = {b: _worst(errors[b], "vs_xla") for b in errors}
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; largest relative error against "
           f"float64: {worst:.1e}; largest difference from XLA's block: MLP {apart['mlp']:.1e}, attention "
           f"{apart['attention']:.1e}", flush=True)
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "errors": errors,
               "seq": args.seq, "pos": args.pos}
     if GPU:
-        result["mlp"] = time_mlp(key, args.chain, args.reps)
-        result["attention"] = time_attention(key, args.chain, args.reps, args.seq, args.pos)
+        result["mlp"] = time_mlp(key, args.chain, args.loops, args.reps)
+        result["attention"] = time_attention(key, args.chain, args.loops, args.reps, args.seq, args.pos)
     print(json.dumps(result))
-    return 0 if worst < 2e-2 and apart["mlp"] < 1e-4 and apart["attention"] < 1e-2 else 1
+    # bf16 roundings of the GELU's output may flip between Triton's tanh and XLA's: 1e-3, not 1e-6
+    return 0 if worst < 2e-2 and apart["mlp"] < 1e-3 and apart["attention"] < 1e-2 else 1
 
 
 if __name__ == "__main__":

@@ -409,23 +409,35 @@ def _profile_table(rows: dict) -> list[str]:
 
 
 def _status(row: dict) -> str:
-    return row.get("error") or f"exit {row.get('exit')}"
+    rc = row.get("exit")
+    return row.get("error") or (f"exit {rc}" + (" (a variant failed or its values were off)" if rc else ""))
+
+
+def _cells(e: dict, t: dict | None) -> str:
+    """One variant's timing and errors as table cells (a failed variant: its error)."""
+    if "error" in e or (t and "error" in t):
+        return f"{(t or {}).get('error') or e['error']} | | | |"
+    timing = f"{t['us']:.2f} | {t['read_gbps']:.0f}" if t else "- | -"
+    return f"{timing} | {e['vs_float64']:.1e} | {e['vs_xla']:.1e} |"
 
 
 def _layer_table(layer: dict) -> list[str]:
     """decode_layer.py's variants per block, and a layer's best (its two blocks' fastest) against XLA's."""
-    lines = [f"A decoding step's layer (bench/decode_layer.py, GPT-2's sizes, cache position {layer.get('pos')} "
-             f"of {layer.get('seq')}; per block): {_status(layer)}", "",
-             "| block | variant | us | read GB/s | rel. error vs float64 | vs XLA's block |", "|---|---|---|---|---|---|"]
+    lines = [f"A decoding step's layer (bench/decode_layer.py, GPT-2's sizes, per block): {_status(layer)}", ""]
+    if "errors" not in layer:
+        return lines
+    lines += [f"Cache position {layer['pos']} of {layer['seq']}; read GB/s counts the weights and the cache up "
+              "to that position (XLA's block reads all of it under a mask, as the sampler does).", "",
+              "| block | variant | us | read GB/s | rel. error vs float64 | vs XLA's block |",
+              "|---|---|---|---|---|---|"]
     best = {}
-    for block, errors in layer.get("errors", {}).items():
+    for block, errors in layer["errors"].items():
         for name, e in errors.items():
             t = layer.get(block, {}).get(name)
-            timing = f"{t['us']:.2f} | {t['read_gbps']:.0f}" if t else "- | -"
-            lines.append(f"| {block} | {name} | {timing} | {e['vs_float64']:.1e} | {e['vs_xla']:.1e} |")
-            if t and name != "xla":
+            lines.append(f"| {block} | {name} | {_cells(e, t)}")
+            if t and "us" in t and name != "xla":
                 best[block] = min(best.get(block, float("inf")), t["us"])
-    if len(best) == 2:
+    if len(best) == 2 and all("us" in layer[b].get("xla", {}) for b in best):
         xla = sum(layer[b]["xla"]["us"] for b in best)
         lines += ["", f"Per layer: XLA {xla:.2f} us; the fastest Pallas blocks {sum(best.values()):.2f} us."]
     return lines + [""]

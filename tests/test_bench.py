@@ -306,18 +306,21 @@ def test_decode_layer_kernels_match_xlas_blocks():
     """bench/decode_layer.py's one-kernel blocks (Pallas's interpreter here) compute what XLA's do:
     the MLP block to float32 summation order (partial rows or atomic adds), the attention block to
     bf16's rounding of its probabilities (an online softmax rounds them unnormalised), the key and
-    value written at the position as XLA's and the rest of the cache untouched (else it raises)."""
+    value written at the position as XLA's. A variant that changes the cache elsewhere, or leaves
+    the next block's zeros (`Flow`) not zeros, is an error row."""
     import jax
     from bench import decode_layer as dl
     mlp = dl.check_mlp(jax.random.key(3), d=256, f=512)
     assert {"xla", "pallas BF32 BK128 w4", "atomic BF32 BK128 w4"} <= set(mlp)
     assert all(e["vs_xla"] < 1e-5 and 1e-4 < e["vs_float64"] < 1e-2 for n, e in mlp.items() if n != "xla")
-    attn = dl.check_attention(jax.random.key(4), d=256, h=4, s=128, pos=70)
-    assert len(attn) == 1 + len(dl.ATTENTION_PALLAS)
-    for name, e in attn.items():
-        assert e["vs_float64"] < 2e-2 and e["vs_xla"] < 1e-2 and e["cache"] < 1e-2, (name, e)
-    first = dl.check_attention(jax.random.key(4), d=256, h=4, s=128, pos=0)  # no earlier position
-    assert all(e["vs_float64"] < 2e-2 for e in first.values())
+    for pos in (70, 0, 64, 127):  # mid-block, no earlier position, a block's first, the cache's last
+        attn = dl.check_attention(jax.random.key(4), d=256, h=4, s=128, pos=pos)
+        assert len(attn) == 1 + len(dl.ATTENTION_PALLAS)
+        for name, e in attn.items():  # the key and value written are XLA's, bit for bit
+            assert e["vs_float64"] < 2e-2 and e["vs_xla"] < 1e-2 and e["cache"] == 0, (pos, name, e)
+    x = jax.numpy.ones(4)
+    assert dl._attempt(lambda: dl._outputs(dl.Flow(x, x, 0 * x))) == {
+        "error": "AssertionError: the next block's zeros are not zeros"}
 
 
 @pytest.mark.slow  # 20 s: both tools in Pallas's interpreter
@@ -337,18 +340,24 @@ def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
 
 
 def test_gpu_suite_tables_kernel_timings():
-    """gpu.md's kernels section: a GPU's timings per variant with a layer's best against XLA's, and
-    a tool that failed as its reason."""
+    """gpu.md's kernels section: a GPU's timings per variant with a layer's best against XLA's, a
+    variant that failed as its error, and a tool that failed as its reason."""
     from bench import gpu as suite
     e = {"vs_float64": 3e-3, "vs_xla": 1e-6}
     t = lambda us: {"us": us, "read_gbps": 1.0}  # noqa: E731
-    layer = {"errors": {"mlp": {"xla": e, "atomic BF16 BK256 w4": e}, "attention": {"xla": e, "pallas a": e}},
-             "mlp": {"xla": t(11.5), "atomic BF16 BK256 w4": t(4.25)}, "attention": {"xla": t(16.0), "pallas a": t(5.5)},
-             "exit": 0, "seq": 1024, "pos": 512}
-    md = suite.markdown({"started": "", "parts": {"kernels": {"decode_layer": layer, "matvec": {"error": "timed out"}}}})
+    errors = {"mlp": {"xla": e, "atomic BF16 BK256 w4": e, "atomic BF32 BK256 w8": {"error": "OutOfResources"}},
+              "attention": {"xla": e, "pallas a": e}}
+    layer = {"errors": errors, "exit": 1, "seq": 1024, "pos": 512,
+             "mlp": {"xla": t(11.5), "atomic BF16 BK256 w4": t(4.25), "atomic BF32 BK256 w8": {"error": "x"}},
+             "attention": {"xla": t(16.0), "pallas a": t(5.5)}}
+    kernels = {"decode_layer": layer, "matvec": {"error": "timed out"}}
+    md = suite.markdown({"started": "", "parts": {"kernels": kernels}})
     assert "| mlp | atomic BF16 BK256 w4 | 4.25 | 1 | 3.0e-03 | 1.0e-06 |" in md
+    assert "| mlp | atomic BF32 BK256 w8 | x | | | |" in md and "exit 1 (a variant failed" in md
     assert "Per layer: XLA 27.50 us; the fastest Pallas blocks 9.75 us." in md
     assert "One-row products (bench/matvec.py): timed out" in md
+    failed = suite.markdown({"started": "", "parts": {"kernels": {"decode_layer": {"error": "timed out"}}}})
+    assert "per block): timed out" in failed and "Cache position" not in failed
 
 
 @pytest.mark.parametrize("device,flagged", [("gpu: NVIDIA H200", True), ("cpu", False)])
