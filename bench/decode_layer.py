@@ -26,7 +26,11 @@ and attend over the whole cache under a mask, as the sampler does. Every variant
 a float64 block and against XLA's. Timed as chains of `--chain` blocks with distinct weights (and
 caches), more bytes than the L2 cache, run `--loops` times in one jit call (so that dispatching
 the call is not what is timed), as a decoding step runs them; per block: microseconds and the
-read bandwidth they imply (weights, and for attention the cache up to pos). A variant that fails
+read bandwidth they imply (weights, and for attention the cache up to pos). Then a whole greedy
+token of a `--chain`-layer model (GPT-2's 12 by default: each layer's two blocks, the final norm,
+the head [V, D], argmax and the token's embedding) with XLA's blocks and with the fastest Pallas
+pair, against the copy bound of the bytes it must read, the measure of the decoding target (XLA's
+blocks here are not the sampler's exact program: `bench/sample.py` times that). A variant that fails
 (on the device: Triton out of resources, say) is its row's error, and the others still run. On
 CPU the kernels run in Pallas's interpreter and only their values are checked (no timings). The
 last line printed is one JSON object. Figures: BENCHMARKS.md.
@@ -53,6 +57,7 @@ from bench.matvec import GPU, _params  # noqa: E402
 from gpt.ops.norm import layer_norm  # noqa: E402
 
 D, F, H, EPS = 768, 3072, 12, 1e-5  # GPT-2's width, hidden width, heads and LayerNorm epsilon
+V = 50304  # GPT-2's vocabulary as the model pads it
 BF16, F32 = jnp.bfloat16, jnp.float32
 # MLP: (hidden units per program, input columns per load, warps, atomic)
 MLP_PALLAS = [(8, 256, 4, False), (16, 256, 4, False), (32, 128, 4, False), (16, 256, 4, True),
@@ -474,6 +479,57 @@ def time_attention(key: jax.Array, n: int, loops: int, reps: int, s: int, pos: i
     return rows
 
 
+def _fastest(rows: dict) -> str | None:
+    """The fastest Pallas variant that ran, or None."""
+    timed = {n: r["us"] for n, r in rows.items() if n != "xla" and "us" in r}
+    return min(timed, key=timed.get) if timed else None
+
+
+def _token_step(layers: list[tuple[Callable, Callable]], head: tuple, qs: list, at, state, loops: int):
+    """`loops` greedy tokens: each layer's attention then MLP block, the final norm, the head and
+    argmax (XLA's), and the token's embedding (the tied head's row) as the next x."""
+    w_VD, scale, bias = head
+
+    def token(_, state):
+        flow, caches = state
+        new = []
+        for (attention, mlp), (pa, pm), (k, v) in zip(layers, qs, caches):
+            flow, k, v = attention(flow, pa, k, v, at)
+            flow = mlp(flow, pm)
+            new.append((k, v))
+        logits_V = jnp.dot(w_VD, layer_norm(flow.x, scale, bias, EPS).astype(BF16), preferred_element_type=F32)
+        return flow._replace(x=w_VD[jnp.argmax(logits_V)].astype(F32)), new
+    return jax.lax.fori_loop(0, loops, token, state)
+
+
+def time_token(key: jax.Array, blocks: dict, n: int, loops: int, reps: int, s: int, pos: int,
+               v: int = V) -> dict:
+    """A whole greedy token of an n-layer model, with XLA's blocks and with the fastest Pallas pair
+    that `blocks` timed ({"mlp": rows, "attention": rows}), against the copy bound of the bytes it
+    must read (weights, head, cache up to pos) at the bandwidth measured here."""
+    from gpt.metrics import measure_copy_gbps
+    names = {"xla": ("xla", "xla"), "pallas": (_fastest(blocks["attention"]), _fastest(blocks["mlp"]))}
+    ps = [(random_attention(jax.random.fold_in(key, i)), random_mlp(jax.random.fold_in(key, n + i))) for i in range(n)]
+    head = (_small(jax.random.fold_in(key, 3 * n), (v, D), BF16), jnp.ones((D,)), jnp.zeros((D,)))
+    read = n * (4 * D * D + 2 * F * D + (pos + 1) * 2 * D) * 2 + v * D * 2
+    copy_gbps = measure_copy_gbps()
+    rows = {"read_bytes": read, "copy_gbps": copy_gbps}
+    for which, (a, m) in names.items():
+        if a is None or m is None:
+            continue
+        (la, ba), (lm, bm) = attention_variants()[a], mlp_variants()[m]
+        qs = [(la(pa), lm(pm)) for pa, pm in ps]
+        caches = [random_cache(jax.random.fold_in(key, 2 * n + i), H, D // H, s) for i in range(n)]
+        step = functools.partial(_token_step, [(ba, bm)] * n, head, loops=loops)
+        state = (start_flow(jax.random.normal(key, (D,))), caches)
+        row = _attempt(lambda: _timed(step, (qs, jnp.int32(pos)), state, reps, loops, read))
+        if "us" in row:
+            row["of_copy_bound"] = read / (copy_gbps * 1e3) / row["us"]
+        rows[which] = dict(row, attention=a, mlp=m)
+        print(f"token     {which:24s} {rows[which]}", flush=True)
+    return rows
+
+
 def _worst(errors: dict, key: str) -> float:
     """The largest of an error over every variant; inf if a variant failed."""
     return max(e.get(key, float("inf")) for e in errors.values())
@@ -502,6 +558,7 @@ def main(argv: list[str]) -> int:
     if GPU:
         result["mlp"] = time_mlp(key, args.chain, args.loops, args.reps)
         result["attention"] = time_attention(key, args.chain, args.loops, args.reps, args.seq, args.pos)
+        result["token"] = time_token(key, result, args.chain, args.loops, args.reps, args.seq, args.pos)
     print(json.dumps(result))
     # bf16 roundings of the GELU's output may flip between Triton's tanh and XLA's: 1e-3, not 1e-6
     return 0 if worst < 2e-2 and apart["mlp"] < 1e-3 and apart["attention"] < 1e-2 else 1

@@ -440,7 +440,22 @@ def _layer_table(layer: dict) -> list[str]:
     if len(best) == 2 and all("us" in layer[b].get("xla", {}) for b in best):
         xla = sum(layer[b]["xla"]["us"] for b in best)
         lines += ["", f"Per layer: XLA {xla:.2f} us; the fastest Pallas blocks {sum(best.values()):.2f} us."]
-    return lines + [""]
+    return lines + ["", *_token_lines(layer.get("token", {}))]
+
+
+def _token_lines(token: dict) -> list[str]:
+    """decode_layer.py's whole greedy token with XLA's blocks and with the fastest Pallas pair."""
+    lines = []
+    for which in ("xla", "pallas"):
+        if which in token:
+            t = token[which]
+            got = (f"{t['us']:.1f} us a token, {100 * t['of_copy_bound']:.0f}% of the copy bound"
+                   if "us" in t else t.get("error", "-"))
+            lines.append(f"- whole greedy token, {which} blocks ({t['attention']}; {t['mlp']}): {got}")
+    if lines:
+        lines = [f"Copy bandwidth {token['copy_gbps']:.0f} GB/s, {token['read_bytes'] / 1e6:.0f} MB a token "
+                 "(12 layers' weights, the head, the cache up to the position):", "", *lines, ""]
+    return lines
 
 
 def _kernels_table(rows: dict) -> list[str]:

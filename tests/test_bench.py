@@ -323,6 +323,22 @@ def test_decode_layer_kernels_match_xlas_blocks():
         "error": "AssertionError: the next block's zeros are not zeros"}
 
 
+def test_decode_layer_timing_paths_run_on_cpu(monkeypatch):
+    """decode_layer.py's timed programs (chains in a loop, donated caches and flows, the whole
+    token with the fastest pair of each block) run and report every variant."""
+    import jax
+    from bench import decode_layer as dl
+    from gpt import metrics
+    monkeypatch.setattr(metrics, "measure_copy_gbps", lambda: 10.0)
+    key = jax.random.key(0)
+    blocks = {"mlp": dl.time_mlp(key, 1, 2, 1), "attention": dl.time_attention(key, 1, 2, 1, 128, 60)}
+    assert set(blocks["mlp"]) == set(dl.mlp_variants()) and set(blocks["attention"]) == set(dl.attention_variants())
+    assert all(r["us"] > 0 and r["read_gbps"] > 0 for rows in blocks.values() for r in rows.values())
+    token = dl.time_token(key, blocks, 1, 2, 1, 128, 60, v=256)
+    assert token["xla"]["mlp"] == "xla" and token["pallas"]["mlp"] == dl._fastest(blocks["mlp"])
+    assert all(token[w]["of_copy_bound"] > 0 for w in ("xla", "pallas"))
+
+
 @pytest.mark.slow  # 20 s: both tools in Pallas's interpreter
 def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     """bench/gpu.py --parts=kernels: decode_layer.py and matvec.py run, their values are checked and
@@ -349,12 +365,17 @@ def test_gpu_suite_tables_kernel_timings():
               "attention": {"xla": e, "pallas a": e}}
     layer = {"errors": errors, "exit": 1, "seq": 1024, "pos": 512,
              "mlp": {"xla": t(11.5), "atomic BF16 BK256 w4": t(4.25), "atomic BF32 BK256 w8": {"error": "x"}},
-             "attention": {"xla": t(16.0), "pallas a": t(5.5)}}
+             "attention": {"xla": t(16.0), "pallas a": t(5.5)},
+             "token": {"read_bytes": 2.6e8, "copy_gbps": 3400.0,
+                       "xla": dict(t(390.0), of_copy_bound=0.2, attention="xla", mlp="xla"),
+                       "pallas": {"error": "OutOfResources", "attention": "pallas a", "mlp": "atomic BF16 BK256 w4"}}}
     kernels = {"decode_layer": layer, "matvec": {"error": "timed out"}}
     md = suite.markdown({"started": "", "parts": {"kernels": kernels}})
     assert "| mlp | atomic BF16 BK256 w4 | 4.25 | 1 | 3.0e-03 | 1.0e-06 |" in md
     assert "| mlp | atomic BF32 BK256 w8 | x | | | |" in md and "exit 1 (a variant failed" in md
     assert "Per layer: XLA 27.50 us; the fastest Pallas blocks 9.75 us." in md
+    assert "- whole greedy token, xla blocks (xla; xla): 390.0 us a token, 20% of the copy bound" in md
+    assert "- whole greedy token, pallas blocks (pallas a; atomic BF16 BK256 w4): OutOfResources" in md
     assert "One-row products (bench/matvec.py): timed out" in md
     failed = suite.markdown({"started": "", "parts": {"kernels": {"decode_layer": {"error": "timed out"}}}})
     assert "per block): timed out" in failed and "Cache position" not in failed
