@@ -18,8 +18,9 @@ on it, whether a layer as two hand-written (Pallas, Triton) kernels does better:
   takes head h: its q, k and v from its rows of the qkv weight [3D, D], writes k and v into the
   cache (keys [H, K, S], values [H, S, K], the sampler's layouts), attends over positions up to pos
   only (an online softmax over blocks of BS), and adds its rows of the output product into the
-  output as the atomic MLP kernel does. Only H programs (12 of an H200's 132 SMs): if it is slow,
-  that is a first suspect.
+  output as the atomic MLP kernel does. Only H programs (12 of an H200's 132 SMs) read the qkv
+  weight there, so `split` does the block in two kernels: q, k and v over 3D / BQ programs (k and
+  v into the cache), then a program a head for the attention and the output rows.
 
 XLA's blocks take the weights [out, in], its fastest layout for one-row products (bench/matvec.py),
 and attend over the whole cache under a mask, as the sampler does. Every variant is checked against
@@ -64,6 +65,8 @@ MLP_PALLAS = [(8, 256, 4, False), (16, 256, 4, False), (32, 128, 4, False), (16,
               (32, 128, 4, True), (32, 256, 8, True)]
 # attention: (input columns per load, cache positions per block, warps)
 ATTENTION_PALLAS = [(256, 64, 4), (128, 64, 4), (256, 128, 8)]
+# the same in two kernels (`split_attention`): (q/k/v rows per program, columns, positions, warps)
+ATTENTION_SPLIT = [(32, 256, 64, 4), (16, 256, 64, 4)]
 
 
 class MLP(NamedTuple):
@@ -306,6 +309,63 @@ def pallas_attention(flow: Flow, p: Attention, k_HKS, v_HSK, pos, BK: int, BS: i
     return Flow(y, cleared, flow.x), k_HKS, v_HSK
 
 
+def _qkv_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, _k, _v, q_ref, k_ref, v_ref, *, BQ: int, BK: int):
+    """Program r: rows [r BQ, (r+1) BQ) of q, k and v stacked (BQ divides a head's K), into q's
+    buffer or the cache at pos."""
+    r, pos = pl.program_id(0), pos_ref[0]
+    (_, kd, _), d = k_ref.shape, x_ref.shape[0]
+    rows = pl.ds(r * BQ, BQ)
+    y = _bf16(bqkv_ref[rows] + _rows_times(wqkv_ref, rows, _normed_chunks(x_ref, s_ref, b_ref, BK), BK))
+    part, row = r * BQ // d, r * BQ % d  # which of q, k and v; its row
+    h, within = row // kd, pl.ds(row % kd, BQ)
+
+    @pl.when(part == 0)
+    def _():
+        q_ref[rows] = y
+
+    @pl.when(part == 1)
+    def _():
+        k_ref[h, within, pos] = y.astype(k_ref.dtype)
+
+    @pl.when(part == 2)
+    def _():
+        v_ref[h, pos, within] = y.astype(v_ref.dtype)
+
+
+def _head_kernel(pos_ref, x_ref, q_ref, k_ref, v_ref, wo_ref, bo_ref, _zero, _spare, o_ref, cleared_ref, *,
+                 BK: int, BS: int):
+    """Program h: head h's attention over the cache up to pos (written by `_qkv_kernel`) and its
+    rows of the output product, added into the flow's zeros."""
+    h, pos = pl.program_id(0), pos_ref[0]
+    kd = k_ref.shape[1]
+    k, v = k_ref[h, :, pos].astype(F32), v_ref[h, pos, :].astype(F32)
+    y = _attend(q_ref[pl.ds(h * kd, kd)], k, v, k_ref, v_ref, h, pos, BS)
+    _add_rows_times(o_ref, y, wo_ref, pl.ds(h * kd, kd), BK, None)
+    _add_residual(o_ref, cleared_ref, x_ref, bo_ref, BK)
+
+
+def split_attention(flow: Flow, p: Attention, k_HKS, v_HSK, pos, BQ: int, BK: int, BS: int, warps: int = 4
+                    ) -> tuple[Flow, jax.Array, jax.Array]:
+    """The block as two kernels: q, k and v over 3D / BQ programs (the cache written in place),
+    then one program a head for the attention and the output rows. More programs read the qkv
+    weight than the one-kernel block's H."""
+    h, kd, s = k_HKS.shape
+    d = flow.x.shape[0]
+    assert kd % BQ == 0 and d % BK == 0 and s % BS == 0, (kd, d, s, BQ, BK, BS)
+    at = jnp.reshape(pos, (1,)).astype(jnp.int32)
+    cache = (jax.ShapeDtypeStruct(k_HKS.shape, k_HKS.dtype), jax.ShapeDtypeStruct(v_HSK.shape, v_HSK.dtype))
+    vec = jax.ShapeDtypeStruct((d,), F32)
+    q_D, k_HKS, v_HSK = pl.pallas_call(
+        functools.partial(_qkv_kernel, BQ=BQ, BK=BK), out_shape=(vec, *cache), grid=(3 * d // BQ,),
+        input_output_aliases={6: 1, 7: 2}, interpret=not GPU, compiler_params=_params(warps))(
+        at, flow.x, p.scale, p.bias, p.w_qkv, p.b_qkv, k_HKS, v_HSK)
+    y, cleared = pl.pallas_call(
+        functools.partial(_head_kernel, BK=BK, BS=BS), out_shape=(vec, vec), grid=(h,),
+        input_output_aliases={7: 0, 8: 1}, interpret=not GPU, compiler_params=_params(warps))(
+        at, flow.x, q_D, k_HKS, v_HSK, p.w_o, p.b_o, flow.zero, flow.spare)
+    return Flow(y, cleared, flow.x), k_HKS, v_HSK
+
+
 def mlp_variants() -> dict[str, tuple[Callable, Callable]]:
     """name -> (its parameters' layout, block(flow, p) -> flow)."""
     out = {"xla": (xla_layout, _on_x(xla_mlp))}
@@ -322,6 +382,9 @@ def attention_variants() -> dict[str, tuple[Callable, Callable]]:
     for BK, BS, warps in ATTENTION_PALLAS:
         out[f"pallas BK{BK} BS{BS} w{warps}"] = (lambda p: p, functools.partial(
             pallas_attention, BK=BK, BS=BS, warps=warps))
+    for BQ, BK, BS, warps in ATTENTION_SPLIT:
+        out[f"split BQ{BQ} BK{BK} BS{BS} w{warps}"] = (lambda p: p, functools.partial(
+            split_attention, BQ=BQ, BK=BK, BS=BS, warps=warps))
     return out
 
 

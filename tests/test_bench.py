@@ -315,7 +315,7 @@ def test_decode_layer_kernels_match_xlas_blocks():
     assert all(e["vs_xla"] < 1e-5 and 1e-4 < e["vs_float64"] < 1e-2 for n, e in mlp.items() if n != "xla")
     for pos in (70, 0, 64, 127):  # mid-block, no earlier position, a block's first, the cache's last
         attn = dl.check_attention(jax.random.key(4), d=256, h=4, s=128, pos=pos)
-        assert len(attn) == 1 + len(dl.ATTENTION_PALLAS)
+        assert len(attn) == 1 + len(dl.ATTENTION_PALLAS) + len(dl.ATTENTION_SPLIT)
         for name, e in attn.items():  # the key and value written are XLA's, bit for bit
             assert e["vs_float64"] < 2e-2 and e["vs_xla"] < 1e-2 and e["cache"] == 0, (pos, name, e)
     x = jax.numpy.ones(4)
