@@ -128,8 +128,9 @@ class Flow(NamedTuple):
     order a residual add among themselves, so they add their parts into `zero` (program 0 adds x
     and the bias); program 0 also clears `spare`, the x of the block before last, which becomes the
     next block's `zero`. Three buffers in rotation: no kernel, copy or memset makes zeros between
-    blocks (in a loop, a fresh zeros array each block compiled to a copy each). Other blocks leave
-    the two buffers alone."""
+    blocks (in a loop, a fresh zeros array each block compiled to a copy each), as long as a loop's
+    body runs a multiple of 3 such blocks (else XLA copies the buffers back to their places). Other
+    blocks leave the two buffers alone."""
     x: jax.Array
     zero: jax.Array
     spare: jax.Array
@@ -542,36 +543,50 @@ def time_attention(key: jax.Array, n: int, loops: int, reps: int, s: int, pos: i
     return rows
 
 
-def _fastest(rows: dict) -> str | None:
-    """The fastest Pallas variant that ran, or None."""
-    timed = {n: r["us"] for n, r in rows.items() if n != "xla" and "us" in r}
+def passed(e: dict, block: str) -> bool:
+    """Whether a variant's values passed: bf16's precision against float64, and near XLA's block
+    (1e-3 for the MLP: GELU outputs whose bf16 rounding flips between Triton's tanh and XLA's; the
+    attention's online softmax rounds its probabilities unnormalised)."""
+    return e.get("vs_float64", 1.0) < 2e-2 and e.get("vs_xla", 1.0) < {"mlp": 1e-3, "attention": 1e-2}[block]
+
+
+def _fastest(rows: dict, errors: dict, block: str) -> str | None:
+    """The fastest Pallas variant that ran and whose values passed, or None."""
+    timed = {n: r["us"] for n, r in rows.items() if n != "xla" and "us" in r and passed(errors.get(n, {}), block)}
     return min(timed, key=timed.get) if timed else None
 
 
-def _token_step(layers: list[tuple[Callable, Callable]], head: tuple, qs: list, at, state, loops: int):
-    """`loops` greedy tokens: each layer's attention then MLP block, the final norm, the head and
-    argmax (XLA's), and the token's embedding (the tied head's row) as the next x."""
+def _layers(layers: list[tuple[Callable, Callable]], qs: list, at, flow: Flow, caches: list):
+    """Each layer's attention block, then its MLP block: the flow and the layers' caches after."""
+    new = []
+    for (attention, mlp), (pa, pm), (k, v) in zip(layers, qs, caches):
+        flow, k, v = attention(flow, pa, k, v, at)
+        flow = mlp(flow, pm)
+        new.append((k, v))
+    return flow, new
+
+
+def _token_step(layers: list[tuple[Callable, Callable]], qs: list, head: tuple, at, state, loops: int):
+    """`loops` greedy tokens: the layers, the final norm, the head and argmax (XLA's), and the
+    token's embedding (the tied head's row) as the next x."""
     w_VD, scale, bias = head
 
     def token(_, state):
-        flow, caches = state
-        new = []
-        for (attention, mlp), (pa, pm), (k, v) in zip(layers, qs, caches):
-            flow, k, v = attention(flow, pa, k, v, at)
-            flow = mlp(flow, pm)
-            new.append((k, v))
+        flow, caches = _layers(layers, qs, at, *state)
         logits_V = jnp.dot(w_VD, layer_norm(flow.x, scale, bias, EPS).astype(BF16), preferred_element_type=F32)
-        return flow._replace(x=w_VD[jnp.argmax(logits_V)].astype(F32)), new
+        return flow._replace(x=w_VD[jnp.argmax(logits_V)].astype(F32)), caches
     return jax.lax.fori_loop(0, loops, token, state)
 
 
-def time_token(key: jax.Array, blocks: dict, n: int, loops: int, reps: int, s: int, pos: int,
+def time_token(key: jax.Array, blocks: dict, errors: dict, n: int, loops: int, reps: int, s: int, pos: int,
                v: int = V) -> dict:
     """A whole greedy token of an n-layer model, with XLA's blocks and with the fastest Pallas pair
-    that `blocks` timed ({"mlp": rows, "attention": rows}), against the copy bound of the bytes it
-    must read (weights, head, cache up to pos) at the bandwidth measured here."""
+    that `blocks` timed ({"mlp": rows, "attention": rows}; of those whose `errors` passed), against
+    the copy bound of the bytes it must read (weights, head, cache up to pos) at the bandwidth
+    measured here. n a multiple of 3, or XLA copies the flow's buffers back in place (`Flow`)."""
     from gpt.metrics import measure_copy_gbps
-    names = {"xla": ("xla", "xla"), "pallas": (_fastest(blocks["attention"]), _fastest(blocks["mlp"]))}
+    names = {"xla": ("xla", "xla"),
+             "pallas": tuple(_fastest(blocks[b], errors[b], b) for b in ("attention", "mlp"))}
     ps = [(random_attention(jax.random.fold_in(key, i)), random_mlp(jax.random.fold_in(key, n + i))) for i in range(n)]
     head = (_small(jax.random.fold_in(key, 3 * n), (v, D), BF16), jnp.ones((D,)), jnp.zeros((D,)))
     read = n * (4 * D * D + 2 * F * D + (pos + 1) * 2 * D) * 2 + v * D * 2
@@ -583,9 +598,9 @@ def time_token(key: jax.Array, blocks: dict, n: int, loops: int, reps: int, s: i
         (la, ba), (lm, bm) = attention_variants()[a], mlp_variants()[m]
         qs = [(la(pa), lm(pm)) for pa, pm in ps]
         caches = [random_cache(jax.random.fold_in(key, 2 * n + i), H, D // H, s) for i in range(n)]
-        step = functools.partial(_token_step, [(ba, bm)] * n, head, loops=loops)
+        step = functools.partial(_token_step, [(ba, bm)] * n, loops=loops)
         state = (start_flow(jax.random.normal(key, (D,))), caches)
-        row = _attempt(lambda: _timed(step, (qs, jnp.int32(pos)), state, reps, loops, read))
+        row = _attempt(lambda: _timed(step, (qs, head, jnp.int32(pos)), state, reps, loops, read))
         if "us" in row:
             row["of_copy_bound"] = read / (copy_gbps * 1e3) / row["us"]
         rows[which] = dict(row, attention=a, mlp=m)
@@ -609,6 +624,8 @@ def main(argv: list[str]) -> int:
     if not 0 <= args.pos < args.seq or args.seq % 128 or min(args.chain, args.loops, args.reps) < 1:
         ap.error(f"--pos={args.pos} must be in [0, --seq={args.seq}), --seq a multiple of 128, and "
                  f"--chain, --loops and --reps positive")
+    if args.chain % 3:  # the flow's three buffers must come back to their places each loop (`Flow`)
+        ap.error(f"--chain={args.chain}: use a multiple of 3 (else XLA copies between blocks)")
     key = jax.random.key(0)
     errors = {"mlp": check_mlp(key), "attention": check_attention(key)}
     worst = max(_worst(e, "vs_float64") for e in errors.values())
@@ -621,10 +638,9 @@ def main(argv: list[str]) -> int:
     if GPU:
         result["mlp"] = time_mlp(key, args.chain, args.loops, args.reps)
         result["attention"] = time_attention(key, args.chain, args.loops, args.reps, args.seq, args.pos)
-        result["token"] = time_token(key, result, args.chain, args.loops, args.reps, args.seq, args.pos)
+        result["token"] = time_token(key, result, errors, args.chain, args.loops, args.reps, args.seq, args.pos)
     print(json.dumps(result))
-    # bf16 roundings of the GELU's output may flip between Triton's tanh and XLA's: 1e-3, not 1e-6
-    return 0 if worst < 2e-2 and apart["mlp"] < 1e-3 and apart["attention"] < 1e-2 else 1
+    return 0 if all(passed(e, b) for b in errors for e in errors[b].values()) else 1
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def sizes(size: str) -> dict:
                                  "--log_interval=5"],
                     spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16,
                     xla_train=["--batch_size=4"], profile_decode=["--config=tiny", "--new_tokens=8"],
-                    kernels=["--chain=2", "--reps=1"])
+                    kernels=["--chain=3", "--reps=1"])
     # chains of 5 steps synchronised once, as train.py runs them (bench/train.py --chain)
     return dict(train_preset="gpt2", train_variants=TRAIN_FULL,
                 steps=["--steps=10", "--warmup=3", "--chain=5"],
