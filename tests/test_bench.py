@@ -408,11 +408,12 @@ def test_gpu_suite_tables_kernel_timings():
     from bench import gpu as suite
     e = {"vs_float64": 3e-3, "vs_xla": 1e-6}
     t = lambda us: {"us": us, "read_gbps": 1.0}  # noqa: E731
+    off = {"vs_float64": 3e-3, "vs_xla": 5e-3, "passed": False}  # fast but off: not the best
     errors = {"mlp": {"xla": e, "atomic BF16 BK256 w4": e, "atomic BF32 BK256 w8": {"error": "OutOfResources"}},
-              "attention": {"xla": e, "pallas a": e}}
+              "attention": {"xla": e, "pallas a": e, "pallas b": off}}
     layer = {"errors": errors, "exit": 1, "seq": 1024, "pos": 512,
              "mlp": {"xla": t(11.5), "atomic BF16 BK256 w4": t(4.25), "atomic BF32 BK256 w8": {"error": "x"}},
-             "attention": {"xla": t(16.0), "pallas a": t(5.5)},
+             "attention": {"xla": t(16.0), "pallas a": t(5.5), "pallas b": t(2.0)},
              "token": {"read_bytes": 2.6e8, "copy_gbps": 3400.0,
                        "xla": dict(t(390.0), of_copy_bound=0.2, attention="xla", mlp="xla"),
                        "pallas": {"error": "OutOfResources", "attention": "pallas a", "mlp": "atomic BF16 BK256 w4"}}}
@@ -420,7 +421,7 @@ def test_gpu_suite_tables_kernel_timings():
     md = suite.markdown({"started": "", "parts": {"kernels": kernels}})
     assert "| mlp | atomic BF16 BK256 w4 | 4.25 | 1 | 3.0e-03 | 1.0e-06 |" in md
     assert "| mlp | atomic BF32 BK256 w8 | x | | | |" in md and "exit 1 (a variant failed" in md
-    assert "Per layer: XLA 27.50 us; the fastest Pallas blocks 9.75 us." in md
+    assert "Per layer: XLA 27.50 us; the fastest Pallas blocks (of those whose values passed) 9.75 us." in md
     assert "- whole greedy token, xla blocks (xla; xla): 390.0 us a token, 20% of the copy bound" in md
     assert "- whole greedy token, pallas blocks (pallas a; atomic BF16 BK256 w4): OutOfResources" in md
     assert "One-row products (bench/matvec.py): timed out" in md
