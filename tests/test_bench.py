@@ -397,6 +397,7 @@ def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     rows = json.loads((tmp_path / "gpu.json").read_text())["parts"]["kernels"]
     assert rows["decode_layer"]["exit"] == 0 and rows["matvec"]["exit"] == 0
     assert "mlp" not in rows["decode_layer"] and "shapes" not in rows["matvec"]
+    assert all(e["passed"] for block in rows["decode_layer"]["errors"].values() for e in block.values())
     md = (tmp_path / "gpu.md").read_text()
     assert "| mlp | xla | - | - |" in md and "| attention | xla | - | - |" in md
     assert "One-row products (bench/matvec.py): exit 0" in md
