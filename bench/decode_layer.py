@@ -60,13 +60,13 @@ from gpt.ops.norm import layer_norm  # noqa: E402
 D, F, H, EPS = 768, 3072, 12, 1e-5  # GPT-2's width, hidden width, heads and LayerNorm epsilon
 V = 50304  # GPT-2's vocabulary as the model pads it
 BF16, F32 = jnp.bfloat16, jnp.float32
-# MLP: (hidden units per program, input columns per load, warps, atomic)
-MLP_PALLAS = [(8, 256, 4, False), (16, 256, 4, False), (32, 128, 4, False), (16, 256, 4, True),
-              (32, 128, 4, True), (32, 256, 8, True)]
+# MLP: (hidden units per program, input columns per load, warps, atomic, both weights loaded first)
+MLP_PALLAS = [(8, 256, 4, False, False), (16, 256, 4, False, True), (16, 256, 4, True, False),
+              (8, 256, 4, True, True), (16, 256, 4, True, True), (32, 256, 8, True, True)]
 # attention: (input columns per load, cache positions per block, warps)
-ATTENTION_PALLAS = [(256, 64, 4), (128, 64, 4), (256, 128, 8)]
+ATTENTION_PALLAS = [(256, 64, 8), (128, 64, 8), (256, 128, 8)]  # 4 warps spilled registers (ptxas)
 # the same in two kernels (`split_attention`): (q/k/v rows per program, columns, positions, warps)
-ATTENTION_SPLIT = [(32, 256, 64, 4), (16, 256, 64, 4)]
+ATTENTION_SPLIT = [(32, 256, 64, 4), (16, 256, 64, 8)]
 
 
 class MLP(NamedTuple):
@@ -194,17 +194,24 @@ def _normed_chunks(x_ref, s_ref, b_ref, BK: int) -> list[jax.Array]:
             for c, x in enumerate(xs)]
 
 
-def _rows_times(w_ref, rows: pl.Slice, hs: list[jax.Array], BK: int) -> jax.Array:
-    """w[rows] @ h in float32, h given in chunks of BK."""
-    return sum(jnp.sum(w_ref[rows, pl.ds(c * BK, BK)].astype(F32) * h[None, :], axis=1)
-               for c, h in enumerate(hs))
+def _tiles(w_ref, rows: pl.Slice, BK: int) -> list[jax.Array]:
+    """w[rows] loaded as tiles of BK columns, all before any is used: Triton emits the loads in
+    this order, and a load issued after a cross-warp reduction (a barrier) waits for it, so loading
+    a tile just before its product exposes the memory's latency once per tile (the PTX showed it)."""
+    return [w_ref[rows, pl.ds(c * BK, BK)] for c in range(w_ref.shape[1] // BK)]
 
 
-def _add_rows_times(o_ref, v: jax.Array, w_ref, rows: pl.Slice, BK: int, row: int | None) -> None:
-    """v @ w[rows] (float32) into o: added atomically (row None), or written as row `row` of o."""
-    for c in range(w_ref.shape[1] // BK):
+def _rows_times(tiles: list[jax.Array], hs: list[jax.Array]) -> jax.Array:
+    """w[rows] @ h in float32, both in chunks of columns (`_tiles`)."""
+    return sum(jnp.sum(t.astype(F32) * h[None, :], axis=1) for t, h in zip(tiles, hs))
+
+
+def _add_rows_times(o_ref, v: jax.Array, tiles: list[jax.Array], BK: int, row: int | None) -> None:
+    """v @ w[rows] (float32, w in `_tiles`) into o: added atomically (row None), or written as row
+    `row` of o."""
+    for c, t in enumerate(tiles):
         cols = pl.ds(c * BK, BK)
-        part = jnp.sum(v[:, None] * w_ref[rows, cols].astype(F32), axis=0)
+        part = jnp.sum(v[:, None] * t.astype(F32), axis=0)
         if row is None:
             plt.atomic_add(o_ref, cols, part)
         else:
@@ -222,35 +229,41 @@ def _add_residual(o_ref, cleared_ref, x_ref, b_ref, BK: int) -> None:
             cleared_ref[cols] = jnp.zeros((BK,), F32)
 
 
-def _mlp_kernel(x_ref, s_ref, b_ref, wfc_ref, bfc_ref, wp_ref, bp_ref, *refs, BF: int, BK: int, atomic: bool):
+def _mlp_kernel(x_ref, s_ref, b_ref, wfc_ref, bfc_ref, wp_ref, bp_ref, *refs, BF: int, BK: int, atomic: bool,
+                early: bool):
     """Program j: hidden units [j BF, (j+1) BF) through fc, GELU and proj, into the output: its
-    partial row j, or (`atomic`) added into the flow's zeros, whose spare buffer it clears."""
+    partial row j, or (`atomic`) added into the flow's zeros, whose spare buffer it clears. Both
+    weights' rows are loaded first (`early`: one wait on the memory in all, more registers), or
+    each weight's just before its product (two)."""
     j = pl.program_id(0)
     rows = pl.ds(j * BF, BF)
-    a = bfc_ref[rows] + _rows_times(wfc_ref, rows, _normed_chunks(x_ref, s_ref, b_ref, BK), BK)
+    w_fc = _tiles(wfc_ref, rows, BK)
+    w_proj = _tiles(wp_ref, rows, BK) if early else None
+    a = bfc_ref[rows] + _rows_times(w_fc, _normed_chunks(x_ref, s_ref, b_ref, BK))
     g = _bf16(gelu(_bf16(a)))
+    w_proj = w_proj or _tiles(wp_ref, rows, BK)
     if atomic:
-        _add_rows_times(refs[-2], g, wp_ref, rows, BK, None)
+        _add_rows_times(refs[-2], g, w_proj, BK, None)
         _add_residual(*refs[-2:], x_ref, bp_ref, BK)
     else:
-        _add_rows_times(refs[-1], g, wp_ref, rows, BK, j)
+        _add_rows_times(refs[-1], g, w_proj, BK, j)
 
 
-def pallas_mlp(x_D: jax.Array, p: MLP, BF: int, BK: int, warps: int = 4) -> jax.Array:
+def pallas_mlp(x_D: jax.Array, p: MLP, BF: int, BK: int, warps: int = 4, early: bool = False) -> jax.Array:
     """The kernel writing F / BF partial rows, which XLA sums with the bias and x."""
     f, d = p.w_fc.shape
     assert f % BF == 0 and d % BK == 0, (f, d, BF, BK)
-    kernel = functools.partial(_mlp_kernel, BF=BF, BK=BK, atomic=False)
+    kernel = functools.partial(_mlp_kernel, BF=BF, BK=BK, atomic=False, early=early)
     part_PD = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((f // BF, d), F32), grid=(f // BF,),
                              interpret=not GPU, compiler_params=_params(warps))(x_D, *p)
     return x_D + part_PD.sum(0) + p.b_proj
 
 
-def atomic_mlp(flow: Flow, p: MLP, BF: int, BK: int, warps: int = 4) -> Flow:
+def atomic_mlp(flow: Flow, p: MLP, BF: int, BK: int, warps: int = 4, early: bool = False) -> Flow:
     """The kernel adding into the flow's zeros: the whole block is one kernel."""
     f, d = p.w_fc.shape
     assert f % BF == 0 and d % BK == 0, (f, d, BF, BK)
-    kernel = functools.partial(_mlp_kernel, BF=BF, BK=BK, atomic=True)
+    kernel = functools.partial(_mlp_kernel, BF=BF, BK=BK, atomic=True, early=early)
     args = (flow.x, *p, flow.zero, flow.spare)
     n, vec = len(args), jax.ShapeDtypeStruct((d,), F32)
     y, cleared = pl.pallas_call(kernel, out_shape=(vec, vec), grid=(f // BF,),
@@ -287,10 +300,11 @@ def _attention_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, wo_ref, 
     (_, kd, _), d = k_ref.shape, x_ref.shape[0]
     hs = _normed_chunks(x_ref, s_ref, b_ref, BK)
     rows = [pl.ds(i * d + h * kd, kd) for i in range(3)]  # head h's rows of q, k and v
-    q, k, v = (_bf16(bqkv_ref[r] + _rows_times(wqkv_ref, r, hs, BK)) for r in rows)
+    q, k, v = (_bf16(bqkv_ref[r] + _rows_times(_tiles(wqkv_ref, r, BK), hs)) for r in rows)
     k_ref[h, :, pos] = k.astype(k_ref.dtype)
     v_ref[h, pos, :] = v.astype(v_ref.dtype)
-    _add_rows_times(o_ref, _attend(q, k, v, k_ref, v_ref, h, pos, BS), wo_ref, pl.ds(h * kd, kd), BK, None)
+    _add_rows_times(o_ref, _attend(q, k, v, k_ref, v_ref, h, pos, BS), _tiles(wo_ref, pl.ds(h * kd, kd), BK),
+                    BK, None)
     _add_residual(o_ref, cleared_ref, x_ref, bo_ref, BK)
 
 
@@ -316,7 +330,8 @@ def _qkv_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, _k, _v, q_ref,
     r, pos = pl.program_id(0), pos_ref[0]
     (_, kd, _), d = k_ref.shape, x_ref.shape[0]
     rows = pl.ds(r * BQ, BQ)
-    y = _bf16(bqkv_ref[rows] + _rows_times(wqkv_ref, rows, _normed_chunks(x_ref, s_ref, b_ref, BK), BK))
+    w = _tiles(wqkv_ref, rows, BK)
+    y = _bf16(bqkv_ref[rows] + _rows_times(w, _normed_chunks(x_ref, s_ref, b_ref, BK)))
     part, row = r * BQ // d, r * BQ % d  # which of q, k and v; its row
     h, within = row // kd, pl.ds(row % kd, BQ)
 
@@ -341,7 +356,7 @@ def _head_kernel(pos_ref, x_ref, q_ref, k_ref, v_ref, wo_ref, bo_ref, _zero, _sp
     kd = k_ref.shape[1]
     k, v = k_ref[h, :, pos].astype(F32), v_ref[h, pos, :].astype(F32)
     y = _attend(q_ref[pl.ds(h * kd, kd)], k, v, k_ref, v_ref, h, pos, BS)
-    _add_rows_times(o_ref, y, wo_ref, pl.ds(h * kd, kd), BK, None)
+    _add_rows_times(o_ref, y, _tiles(wo_ref, pl.ds(h * kd, kd), BK), BK, None)
     _add_residual(o_ref, cleared_ref, x_ref, bo_ref, BK)
 
 
@@ -370,9 +385,9 @@ def split_attention(flow: Flow, p: Attention, k_HKS, v_HSK, pos, BQ: int, BK: in
 def mlp_variants() -> dict[str, tuple[Callable, Callable]]:
     """name -> (its parameters' layout, block(flow, p) -> flow)."""
     out = {"xla": (xla_layout, _on_x(xla_mlp))}
-    for BF, BK, warps, atomic in MLP_PALLAS:
-        block = functools.partial(atomic_mlp if atomic else pallas_mlp, BF=BF, BK=BK, warps=warps)
-        out[f"{'atomic' if atomic else 'pallas'} BF{BF} BK{BK} w{warps}"] = (
+    for BF, BK, warps, atomic, early in MLP_PALLAS:
+        block = functools.partial(atomic_mlp if atomic else pallas_mlp, BF=BF, BK=BK, warps=warps, early=early)
+        out[f"{'atomic' if atomic else 'pallas'} BF{BF} BK{BK} w{warps}{' early' if early else ''}"] = (
             lambda p: p, block if atomic else _on_x(block))
     return out
 
