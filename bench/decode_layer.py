@@ -64,9 +64,9 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 MLP_PALLAS = [(8, 256, 4, False, False), (16, 256, 4, False, True), (16, 256, 4, True, False),
               (8, 256, 4, True, True), (16, 256, 4, True, True), (32, 256, 8, True, True)]
 # attention: (input columns per load, cache positions per block, warps)
-ATTENTION_PALLAS = [(256, 64, 8), (128, 64, 8), (256, 128, 8)]  # 4 warps spilled registers (ptxas)
+ATTENTION_PALLAS = [(256, 64, 8), (256, 128, 8), (256, 256, 8)]  # 4 warps spilled registers (ptxas)
 # the same in two kernels (`split_attention`): (q/k/v rows per program, columns, positions, warps)
-ATTENTION_SPLIT = [(32, 256, 64, 4), (16, 256, 64, 8)]
+ATTENTION_SPLIT = [(32, 256, 128, 4), (16, 256, 256, 8)]
 
 
 class MLP(NamedTuple):
@@ -281,11 +281,12 @@ def _attend(q, k, v, k_ref, v_ref, h, pos, BS: int) -> jax.Array:
     def block(i, carry):
         m, l, acc = carry
         span = pl.ds(i * BS, BS)
+        k_KS, v_SK = k_ref[h, :, span], v_ref[h, span, :]  # both loads before a reduction (`_tiles`)
         valid = i * BS + jnp.arange(BS) < pos  # what the last block holds past pos may be anything
-        s = jnp.where(valid, jnp.sum(k_ref[h, :, span].astype(F32) * qs[:, None], axis=0), -jnp.inf)
+        s = jnp.where(valid, jnp.sum(k_KS.astype(F32) * qs[:, None], axis=0), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s))
         e, fix = jnp.exp(s - m_new), jnp.exp(m - m_new)
-        v_SK = jnp.where(valid[:, None], v_ref[h, span, :].astype(F32), 0.0)
+        v_SK = jnp.where(valid[:, None], v_SK.astype(F32), 0.0)
         acc = acc * fix + jnp.sum(_bf16(e)[:, None] * v_SK, axis=0)
         return m_new, l * fix + jnp.sum(e), acc
 
@@ -636,9 +637,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seq", type=int, default=1024, help="the cache's positions")
     ap.add_argument("--pos", type=int, default=512, help="the position decoded (< --seq)")
     args = ap.parse_args(argv)
-    if not 0 <= args.pos < args.seq or args.seq % 128 or min(args.chain, args.loops, args.reps) < 1:
-        ap.error(f"--pos={args.pos} must be in [0, --seq={args.seq}), --seq a multiple of 128, and "
-                 f"--chain, --loops and --reps positive")
+    if not 0 <= args.pos < args.seq or args.seq % 256 or min(args.chain, args.loops, args.reps) < 1:
+        ap.error(f"--pos={args.pos} must be in [0, --seq={args.seq}), --seq a multiple of 256 (the largest "
+                 f"block of positions), and --chain, --loops and --reps positive")
     if args.chain % 3:  # the flow's three buffers must come back to their places each loop (`Flow`)
         ap.error(f"--chain={args.chain}: use a multiple of 3 (else XLA copies between blocks)")
     key = jax.random.key(0)

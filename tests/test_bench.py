@@ -313,8 +313,8 @@ def test_decode_layer_kernels_match_xlas_blocks():
     mlp = dl.check_mlp(jax.random.key(3), d=256, f=512)
     assert {"xla", "pallas BF8 BK256 w4", "atomic BF16 BK256 w4", "atomic BF8 BK256 w4 early"} <= set(mlp)
     assert all(e["vs_xla"] < 1e-5 and 1e-4 < e["vs_float64"] < 1e-2 for n, e in mlp.items() if n != "xla")
-    for pos in (70, 0, 64, 127):  # mid-block, no earlier position, a block's first, the cache's last
-        attn = dl.check_attention(jax.random.key(4), d=256, h=4, s=128, pos=pos)
+    for pos in (70, 0, 128, 255):  # mid-block, no earlier position, a block's first, the cache's last
+        attn = dl.check_attention(jax.random.key(4), d=256, h=4, s=256, pos=pos)
         assert len(attn) == 1 + len(dl.ATTENTION_PALLAS) + len(dl.ATTENTION_SPLIT)
         for name, e in attn.items():  # the key and value written are XLA's, bit for bit
             assert e["vs_float64"] < 2e-2 and e["vs_xla"] < 1e-2 and e["cache"] == 0, (pos, name, e)
@@ -331,11 +331,11 @@ def test_decode_layer_timing_paths_run_on_cpu(monkeypatch):
     from gpt import metrics
     monkeypatch.setattr(metrics, "measure_copy_gbps", lambda: 10.0)
     key = jax.random.key(0)
-    blocks = {"mlp": dl.time_mlp(key, 1, 2, 1), "attention": dl.time_attention(key, 1, 2, 1, 128, 60)}
+    blocks = {"mlp": dl.time_mlp(key, 1, 2, 1), "attention": dl.time_attention(key, 1, 2, 1, 256, 60)}
     assert set(blocks["mlp"]) == set(dl.mlp_variants()) and set(blocks["attention"]) == set(dl.attention_variants())
     assert all(r["us"] > 0 and r["read_gbps"] > 0 for rows in blocks.values() for r in rows.values())
     ok = {b: {n: {"vs_float64": 0.0, "vs_xla": 0.0} for n in rows} for b, rows in blocks.items()}
-    token = dl.time_token(key, blocks, ok, 1, 2, 1, 128, 60, v=256)
+    token = dl.time_token(key, blocks, ok, 1, 2, 1, 256, 60, v=256)
     assert token["xla"]["mlp"] == "xla" and token["pallas"]["mlp"] == dl._fastest(blocks["mlp"], ok["mlp"], "mlp")
     assert all(token[w]["of_copy_bound"] > 0 for w in ("xla", "pallas"))
 
@@ -360,7 +360,7 @@ def test_decode_layer_mixed_chains_match_xlas():
     import jax.numpy as jnp
     import numpy as np
     from bench import decode_layer as dl
-    d, f, h, s, pos, n = 256, 512, 4, 128, 70, 3
+    d, f, h, s, pos, n = 256, 512, 4, 256, 70, 3
     key = jax.random.key(5)
     ps = [(dl.random_attention(jax.random.fold_in(key, i), d), dl.random_mlp(jax.random.fold_in(key, 9 + i), d, f))
           for i in range(n)]
@@ -379,7 +379,7 @@ def test_decode_layer_mixed_chains_match_xlas():
 
     want = run("xla", "xla")
     for a, m in [("xla", "atomic BF16 BK256 w4"), ("pallas BK256 BS64 w8", "pallas BF16 BK256 w4 early"),
-                 ("split BQ32 BK256 BS64 w4", "atomic BF8 BK256 w4 early"), ("pallas BK128 BS64 w8", "atomic BF16 BK256 w4")]:
+                 ("split BQ32 BK256 BS128 w4", "atomic BF8 BK256 w4 early"), ("pallas BK256 BS128 w8", "atomic BF16 BK256 w4")]:
         got = run(a, m)
         assert np.linalg.norm(got[0] - want[0]) / np.linalg.norm(want[0]) < 1e-2, (a, m)
         assert all(np.abs(g - w).max() <= 2 ** -6 * np.abs(w).max() for g, w in zip(got[1], want[1])), (a, m)
