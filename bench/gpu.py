@@ -28,9 +28,10 @@ suite goes on):
   with the residual stream in bf16, and batch-1 decoding: where the time goes when a target is missed;
   with each, the plan XLA's GPU runtime executes (bench/plan.py: CUDA graphs, what runs outside).
 - kernels (not run unless named in --parts): hand-written decoding kernels against XLA's, each
-  checked against float64 first: `bench/decode_layer.py` (a decoding step's MLP block and attention
-  block, each as one Pallas kernel) and `bench/matvec.py` (one-row products): whether fewer, fused
-  kernels can bring batch-1 decoding near the bandwidth bound, before the sampler is built on them.
+  checked against float64 first: `bench/decode_layer.py` (a decoding step's MLP and attention
+  blocks as one or two Pallas kernels each, and a whole greedy token against the copy bound) and
+  `bench/matvec.py` (one-row products): whether fewer, fused kernels can bring batch-1 decoding
+  near the bandwidth bound, before the sampler is built on them.
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
