@@ -61,8 +61,8 @@ D, F, H, EPS = 768, 3072, 12, 1e-5  # GPT-2's width, hidden width, heads and Lay
 V = 50304  # GPT-2's vocabulary as the model pads it
 BF16, F32 = jnp.bfloat16, jnp.float32
 # MLP: (hidden units per program, input columns per load, warps, atomic, both weights loaded first)
-MLP_PALLAS = [(8, 256, 4, False, False), (16, 256, 4, False, True), (16, 256, 4, True, False),
-              (8, 256, 4, True, True), (16, 256, 4, True, True), (32, 256, 8, True, True)]
+MLP_PALLAS = [(16, 256, 4, False, False), (16, 256, 4, False, True), (16, 256, 4, True, False),
+              (16, 256, 4, True, True), (8, 256, 4, True, True), (32, 256, 8, True, True)]
 # attention: (input columns per load, cache positions per block, warps)
 ATTENTION_PALLAS = [(256, 64, 8), (256, 128, 8), (256, 256, 8)]  # 4 warps spilled registers (ptxas)
 # the same in two kernels (`split_attention`): (q/k/v rows per program, columns, positions, warps)
@@ -187,11 +187,11 @@ def xla_layout(p: MLP | Attention) -> MLP | Attention:
 def _normed_chunks(x_ref, s_ref, b_ref, BK: int) -> list[jax.Array]:
     """LayerNorm(x) in chunks of BK entries, rounded to bf16 as the products take it."""
     d = x_ref.shape[0]
-    xs = [x_ref[pl.ds(c * BK, BK)] for c in range(d // BK)]
+    chunks = [pl.ds(c * BK, BK) for c in range(d // BK)]
+    xs, scales, biases = ([ref[c] for c in chunks] for ref in (x_ref, s_ref, b_ref))  # loads first (`_tiles`)
     mean = sum(jnp.sum(x) for x in xs) / d
     rstd = jax.lax.rsqrt(sum(jnp.sum(jnp.square(x - mean)) for x in xs) / d + EPS)
-    return [_bf16((x - mean) * rstd * s_ref[pl.ds(c * BK, BK)] + b_ref[pl.ds(c * BK, BK)])
-            for c, x in enumerate(xs)]
+    return [_bf16((x - mean) * rstd * sc + b) for x, sc, b in zip(xs, scales, biases, strict=True)]
 
 
 def _tiles(w_ref, rows: pl.Slice, BK: int) -> list[jax.Array]:
@@ -203,7 +203,7 @@ def _tiles(w_ref, rows: pl.Slice, BK: int) -> list[jax.Array]:
 
 def _rows_times(tiles: list[jax.Array], hs: list[jax.Array]) -> jax.Array:
     """w[rows] @ h in float32, both in chunks of columns (`_tiles`)."""
-    return sum(jnp.sum(t.astype(F32) * h[None, :], axis=1) for t, h in zip(tiles, hs))
+    return sum(jnp.sum(t.astype(F32) * h[None, :], axis=1) for t, h in zip(tiles, hs, strict=True))
 
 
 def _add_rows_times(o_ref, v: jax.Array, tiles: list[jax.Array], BK: int, row: int | None) -> None:
@@ -241,7 +241,8 @@ def _mlp_kernel(x_ref, s_ref, b_ref, wfc_ref, bfc_ref, wp_ref, bp_ref, *refs, BF
     w_proj = _tiles(wp_ref, rows, BK) if early else None
     a = bfc_ref[rows] + _rows_times(w_fc, _normed_chunks(x_ref, s_ref, b_ref, BK))
     g = _bf16(gelu(_bf16(a)))
-    w_proj = w_proj or _tiles(wp_ref, rows, BK)
+    if w_proj is None:
+        w_proj = _tiles(wp_ref, rows, BK)
     if atomic:
         _add_rows_times(refs[-2], g, w_proj, BK, None)
         _add_residual(*refs[-2:], x_ref, bp_ref, BK)
@@ -299,9 +300,11 @@ def _attention_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, wo_ref, 
     """Program h: head h's q, k, v; k and v into the cache at pos; attention; its output rows."""
     h, pos = pl.program_id(0), pos_ref[0]
     (_, kd, _), d = k_ref.shape, x_ref.shape[0]
-    hs = _normed_chunks(x_ref, s_ref, b_ref, BK)
     rows = [pl.ds(i * d + h * kd, kd) for i in range(3)]  # head h's rows of q, k and v
-    q, k, v = (_bf16(bqkv_ref[r] + _rows_times(_tiles(wqkv_ref, r, BK), hs)) for r in rows)
+    w_q = _tiles(wqkv_ref, rows[0], BK)  # before the norm's reductions; k's and v's after (registers)
+    hs = _normed_chunks(x_ref, s_ref, b_ref, BK)
+    q = _bf16(bqkv_ref[rows[0]] + _rows_times(w_q, hs))
+    k, v = (_bf16(bqkv_ref[r] + _rows_times(_tiles(wqkv_ref, r, BK), hs)) for r in rows[1:])
     k_ref[h, :, pos] = k.astype(k_ref.dtype)
     v_ref[h, pos, :] = v.astype(v_ref.dtype)
     _add_rows_times(o_ref, _attend(q, k, v, k_ref, v_ref, h, pos, BS), _tiles(wo_ref, pl.ds(h * kd, kd), BK),
@@ -485,8 +488,9 @@ def _attention_errors(got, xla, ref, x64, keys, values, pos: int) -> dict:
             "cache": max(_rel(k[:, :, pos], xla[1][:, :, pos]), _rel(v[:, pos], xla[2][:, pos]))}
 
 
-def check_attention(key: jax.Array, d: int = D, h: int = H, s: int = 256, pos: int = 100) -> dict[str, dict]:
-    """As `check_mlp` for the attention block at position `pos` of an `s`-position cache."""
+def check_attention(key: jax.Array, d: int = D, h: int = H, s: int = 512, pos: int = 300) -> dict[str, dict]:
+    """As `check_mlp` for the attention block at position `pos` of an `s`-position cache (by
+    default past two blocks of the largest size, so that every variant rescales its softmax)."""
     kx, kp, kc = jax.random.split(key, 3)
     x, p = jax.random.normal(kx, (d,)), random_attention(kp, d)
     keys, values = random_cache(kc, h, d // h, s)
