@@ -293,10 +293,10 @@ def part_profile(r: Runner, sz: dict) -> dict:
 
 
 def part_kernels(r: Runner, sz: dict) -> dict:
-    """bench/decode_layer.py and bench/matvec.py: each row is the tool's JSON (its values' errors
-    and, on a GPU, its timings) with its exit status (1: a kernel's values were off)."""
+    """bench/decode_layer.py, bench/topk.py and bench/matvec.py: each row is the tool's JSON (its
+    values' errors and, on a GPU, its timings) with its exit status (1: a variant's values were off)."""
     rows = {}
-    for tool in ("decode_layer", "matvec"):
+    for tool in ("decode_layer", "topk", "matvec"):
         rc, text, _ = r.run([sys.executable, f"bench/{tool}.py", *sz["kernels"]])
         res = last_json(text)
         rows[tool] = dict(res, exit=rc) if res else {"error": why_failed(rc, text)}
@@ -460,8 +460,22 @@ def _token_lines(token: dict) -> list[str]:
     return lines
 
 
+def _topk_lines(row: dict) -> list[str]:
+    """bench/topk.py: whether each variant is exact, and its time per row on a GPU."""
+    lines = [f"Top-k of a row of logits (bench/topk.py, k {row.get('k')} of {row.get('vocab')}): {_status(row)}", ""]
+    if "exact" in row:
+        us = row.get("us", {})
+        lines += ["| variant | exact (values and indices) | us a row |", "|---|---|---|"]
+        for name, ok in row["exact"].items():
+            timing = f"{us[name]:.2f}" if name in us else "-"
+            lines.append(f"| {name} | {'yes' if ok else '**no**'} | {timing} |")
+        lines.append("")
+    return lines
+
+
 def _kernels_table(rows: dict) -> list[str]:
     lines = _layer_table(rows["decode_layer"]) if "decode_layer" in rows else []
+    lines += _topk_lines(rows["topk"]) if "topk" in rows else []
     if "matvec" in rows:
         mv = rows["matvec"]
         lines += [f"One-row products (bench/matvec.py): {_status(mv)}, largest relative error "

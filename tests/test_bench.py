@@ -340,6 +340,24 @@ def test_decode_layer_timing_paths_run_on_cpu(monkeypatch):
     assert all(token[w]["of_copy_bound"] > 0 for w in ("xla", "pallas"))
 
 
+def test_topk_in_two_stages_is_exactly_lax_top_k(monkeypatch):
+    """bench/topk.py's two-stage top-k returns lax.top_k's values and indices, ties included (at
+    the top, across chunks and at the k-th place), also when the vocabulary is not a multiple of
+    the chunk; the check sees a variant that loses one of the tied entries."""
+    import jax
+    import jax.numpy as jnp
+    from bench import topk
+    for vocab in (50304, 50257):
+        exact = topk.check(jax.random.key(1), 200, vocab)
+        assert len(exact) == 1 + len(topk.CHUNKS) and all(exact.values())
+    broken = {"lax.top_k": lambda x: jax.lax.top_k(x, 200),
+              "drops a tie": lambda x: jax.lax.top_k(x.at[7].set(-jnp.inf), 200)}  # 7 ties the largest
+    us = topk.time_rows(jax.random.key(1), 200, 4096, 2, 1)  # the GPU's timing path, here on CPU
+    assert set(us) == {"lax.top_k", "two-stage C1024", "two-stage C2048"} and min(us.values()) > 0
+    monkeypatch.setattr(topk, "variants", lambda k, vocab: broken)
+    assert topk.check(jax.random.key(1), 200, 50304) == {"lax.top_k": True, "drops a tie": False}
+
+
 def test_decode_layer_fastest_needs_passing_values():
     from bench import decode_layer as dl
     rows = {"xla": {"us": 1.0}, "a": {"us": 2.0}, "b": {"us": 3.0}, "c": {"error": "x"}, "d": {"us": 4.0}}
@@ -395,7 +413,8 @@ def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
                         "--parts=kernels"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu.json").read_text())["parts"]["kernels"]
-    assert rows["decode_layer"]["exit"] == 0 and rows["matvec"]["exit"] == 0
+    assert rows["decode_layer"]["exit"] == 0 and rows["matvec"]["exit"] == 0 and rows["topk"]["exit"] == 0
+    assert all(rows["topk"]["exact"].values()) and "us" not in rows["topk"]
     assert "mlp" not in rows["decode_layer"] and "shapes" not in rows["matvec"]
     assert all(e["passed"] for block in rows["decode_layer"]["errors"].values() for e in block.values())
     md = (tmp_path / "gpu.md").read_text()
@@ -418,7 +437,9 @@ def test_gpu_suite_tables_kernel_timings():
              "token": {"read_bytes": 2.6e8, "copy_gbps": 3400.0,
                        "xla": dict(t(390.0), of_copy_bound=0.2, attention="xla", mlp="xla"),
                        "pallas": {"error": "OutOfResources", "attention": "pallas a", "mlp": "atomic BF16 BK256 w4"}}}
-    kernels = {"decode_layer": layer, "matvec": {"error": "timed out"}}
+    topk = {"k": 200, "vocab": 50304, "exact": {"lax.top_k": True, "two-stage C1024": False}, "exit": 1,
+            "us": {"lax.top_k": 35.0, "two-stage C1024": 12.5}}
+    kernels = {"decode_layer": layer, "topk": topk, "matvec": {"error": "timed out"}}
     md = suite.markdown({"started": "", "parts": {"kernels": kernels}})
     assert "| mlp | atomic BF16 BK256 w4 | 4.25 | 1 | 3.0e-03 | 1.0e-06 |" in md
     assert "| mlp | atomic BF32 BK256 w8 | x | | | |" in md and "exit 1 (a variant failed" in md
@@ -426,6 +447,7 @@ def test_gpu_suite_tables_kernel_timings():
     assert "- whole greedy token, xla blocks (xla; xla): 390.0 us a token, 20% of the copy bound" in md
     assert "- whole greedy token, pallas blocks (pallas a; atomic BF16 BK256 w4): OutOfResources" in md
     assert "One-row products (bench/matvec.py): timed out" in md
+    assert "| lax.top_k | yes | 35.00 |" in md and "| two-stage C1024 | **no** | 12.50 |" in md
     failed = suite.markdown({"started": "", "parts": {"kernels": {"decode_layer": {"error": "timed out"}}}})
     assert "per block): timed out" in failed and "Cache position" not in failed
 
