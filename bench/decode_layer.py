@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.matvec import GPU, _params  # noqa: E402
@@ -194,6 +193,13 @@ def _normed_chunks(x_ref, s_ref, b_ref, BK: int) -> list[jax.Array]:
     return [_bf16((x - mean) * rstd * sc + b) for x, sc, b in zip(xs, scales, biases, strict=True)]
 
 
+def _atomic_add(ref, idx, value) -> None:
+    """Pallas's Triton atomic add, imported where used: should a JAX release move it, only the
+    variants that add atomically fail (each as its row's error), not the tool."""
+    from jax.experimental.pallas import triton as plt
+    plt.atomic_add(ref, idx, value)
+
+
 def _tiles(w_ref, rows: pl.Slice, BK: int) -> list[jax.Array]:
     """w[rows] loaded as tiles of BK columns, all before any is used: Triton emits the loads in
     this order, and a load issued after a cross-warp reduction (a barrier) waits for it, so loading
@@ -213,7 +219,7 @@ def _add_rows_times(o_ref, v: jax.Array, tiles: list[jax.Array], BK: int, row: i
         cols = pl.ds(c * BK, BK)
         part = jnp.sum(v[:, None] * t.astype(F32), axis=0)
         if row is None:
-            plt.atomic_add(o_ref, cols, part)
+            _atomic_add(o_ref, cols, part)
         else:
             o_ref[row, cols] = part
 
@@ -225,7 +231,7 @@ def _add_residual(o_ref, cleared_ref, x_ref, b_ref, BK: int) -> None:
     def _():
         for c in range(x_ref.shape[0] // BK):
             cols = pl.ds(c * BK, BK)
-            plt.atomic_add(o_ref, cols, x_ref[cols] + b_ref[cols])
+            _atomic_add(o_ref, cols, x_ref[cols] + b_ref[cols])
             cleared_ref[cols] = jnp.zeros((BK,), F32)
 
 
