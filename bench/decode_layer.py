@@ -64,8 +64,9 @@ MLP_PALLAS = [(16, 256, 4, False, False), (16, 256, 4, False, True), (16, 256, 4
               (16, 256, 4, True, True), (8, 256, 4, True, True), (32, 256, 8, True, True)]
 # attention: (input columns per load, cache positions per block, warps)
 ATTENTION_PALLAS = [(256, 64, 8), (256, 128, 8), (256, 256, 8)]  # 4 warps spilled registers (ptxas)
-# the same in two kernels (`split_attention`): (q/k/v rows per program, columns, positions, warps)
-ATTENTION_SPLIT = [(32, 256, 128, 4), (16, 256, 256, 8)]
+# the same in two kernels (`split_attention`): (q/k/v rows per program, columns, positions, warps,
+# the output rows loaded before the cache's)
+ATTENTION_SPLIT = [(32, 256, 128, 4, False), (16, 256, 256, 8, False), (16, 256, 256, 8, True)]
 
 
 class MLP(NamedTuple):
@@ -359,19 +360,23 @@ def _qkv_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, _k, _v, q_ref,
 
 
 def _head_kernel(pos_ref, x_ref, q_ref, k_ref, v_ref, wo_ref, bo_ref, _zero, _spare, o_ref, cleared_ref, *,
-                 BK: int, BS: int):
+                 BK: int, BS: int, early: bool):
     """Program h: head h's attention over the cache up to pos (written by `_qkv_kernel`) and its
-    rows of the output product, added into the flow's zeros."""
+    rows of the output product, added into the flow's zeros; those rows loaded before the cache's
+    (`early`: their wait overlaps the attention's, for more registers) or after."""
     h, pos = pl.program_id(0), pos_ref[0]
     kd = k_ref.shape[1]
+    w_o = _tiles(wo_ref, pl.ds(h * kd, kd), BK) if early else None
     k, v = k_ref[h, :, pos].astype(F32), v_ref[h, pos, :].astype(F32)
     y = _attend(q_ref[pl.ds(h * kd, kd)], k, v, k_ref, v_ref, h, pos, BS)
-    _add_rows_times(o_ref, y, _tiles(wo_ref, pl.ds(h * kd, kd), BK), BK, None)
+    if w_o is None:
+        w_o = _tiles(wo_ref, pl.ds(h * kd, kd), BK)
+    _add_rows_times(o_ref, y, w_o, BK, None)
     _add_residual(o_ref, cleared_ref, x_ref, bo_ref, BK)
 
 
-def split_attention(flow: Flow, p: Attention, k_HKS, v_HSK, pos, BQ: int, BK: int, BS: int, warps: int = 4
-                    ) -> tuple[Flow, jax.Array, jax.Array]:
+def split_attention(flow: Flow, p: Attention, k_HKS, v_HSK, pos, BQ: int, BK: int, BS: int, warps: int = 4,
+                    early: bool = False) -> tuple[Flow, jax.Array, jax.Array]:
     """The block as two kernels: q, k and v over 3D / BQ programs (the cache written in place),
     then one program a head for the attention and the output rows. More programs read the qkv
     weight than the one-kernel block's H."""
@@ -386,7 +391,7 @@ def split_attention(flow: Flow, p: Attention, k_HKS, v_HSK, pos, BQ: int, BK: in
         input_output_aliases={6: 1, 7: 2}, interpret=not GPU, compiler_params=_params(warps))(
         at, flow.x, p.scale, p.bias, p.w_qkv, p.b_qkv, k_HKS, v_HSK)
     y, cleared = pl.pallas_call(
-        functools.partial(_head_kernel, BK=BK, BS=BS), out_shape=(vec, vec), grid=(h,),
+        functools.partial(_head_kernel, BK=BK, BS=BS, early=early), out_shape=(vec, vec), grid=(h,),
         input_output_aliases={7: 0, 8: 1}, interpret=not GPU, compiler_params=_params(warps))(
         at, flow.x, q_D, k_HKS, v_HSK, p.w_o, p.b_o, flow.zero, flow.spare)
     return Flow(y, cleared, flow.x), k_HKS, v_HSK
@@ -408,9 +413,9 @@ def attention_variants() -> dict[str, tuple[Callable, Callable]]:
     for BK, BS, warps in ATTENTION_PALLAS:
         out[f"pallas BK{BK} BS{BS} w{warps}"] = (lambda p: p, functools.partial(
             pallas_attention, BK=BK, BS=BS, warps=warps))
-    for BQ, BK, BS, warps in ATTENTION_SPLIT:
-        out[f"split BQ{BQ} BK{BK} BS{BS} w{warps}"] = (lambda p: p, functools.partial(
-            split_attention, BQ=BQ, BK=BK, BS=BS, warps=warps))
+    for BQ, BK, BS, warps, early in ATTENTION_SPLIT:
+        out[f"split BQ{BQ} BK{BK} BS{BS} w{warps}{' early' if early else ''}"] = (lambda p: p, functools.partial(
+            split_attention, BQ=BQ, BK=BK, BS=BS, warps=warps, early=early))
     return out
 
 
