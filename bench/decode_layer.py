@@ -546,12 +546,12 @@ def time_mlp(key: jax.Array, n: int, loops: int, reps: int) -> dict:
     return rows
 
 
-def _attention_chain(block, qs: list[Attention], at, state):
-    """One run of the chain: block i with its parameters qs[i] and its cache state[1][i]."""
-    flow, caches = state
+def _layers(layers: list[tuple[Callable, Callable]], qs: list, at, flow: Flow, caches: list):
+    """Each layer's attention block, then its MLP block: the flow and the layers' caches after."""
     new = []
-    for p, (k, v) in zip(qs, caches):
-        flow, k, v = block(flow, p, k, v, at)
+    for (attention, mlp), (pa, pm), (k, v) in zip(layers, qs, caches):
+        flow, k, v = attention(flow, pa, k, v, at)
+        flow = mlp(flow, pm)
         new.append((k, v))
     return flow, new
 
@@ -564,12 +564,13 @@ def time_attention(key: jax.Array, n: int, loops: int, reps: int, s: int, pos: i
     read = (4 * D * D + (pos + 1) * 2 * D) * 2
     rows = {}
     for name, (layout, block) in attention_variants().items():
-        def step(qs, at, state, block=block):
-            return jax.lax.fori_loop(0, loops, lambda _, st: _attention_chain(block, qs, at, st), state)
+        def step(qs, at, state, block=block):  # the layers without their MLP blocks
+            chain = [(block, lambda flow, _: flow)] * n
+            return jax.lax.fori_loop(0, loops, lambda _, st: _layers(chain, qs, at, *st), state)
         caches = [random_cache(jax.random.fold_in(key, n + i), H, D // H, s) for i in range(n)]
         state = (start_flow(jax.random.normal(key, (D,))), caches)
-        rows[name] = _attempt(lambda: _timed(step, ([layout(p) for p in ps], jnp.int32(pos)), state, reps,
-                                             n * loops, read))
+        qs = [(layout(p), None) for p in ps]
+        rows[name] = _attempt(lambda: _timed(step, (qs, jnp.int32(pos)), state, reps, n * loops, read))
         print(f"attention {name:24s} {rows[name]}", flush=True)
     return rows
 
@@ -585,16 +586,6 @@ def _fastest(rows: dict, errors: dict, block: str) -> str | None:
     """The fastest Pallas variant that ran and whose values passed, or None."""
     timed = {n: r["us"] for n, r in rows.items() if n != "xla" and "us" in r and passed(errors.get(n, {}), block)}
     return min(timed, key=timed.get) if timed else None
-
-
-def _layers(layers: list[tuple[Callable, Callable]], qs: list, at, flow: Flow, caches: list):
-    """Each layer's attention block, then its MLP block: the flow and the layers' caches after."""
-    new = []
-    for (attention, mlp), (pa, pm), (k, v) in zip(layers, qs, caches):
-        flow, k, v = attention(flow, pa, k, v, at)
-        flow = mlp(flow, pm)
-        new.append((k, v))
-    return flow, new
 
 
 def _token_step(layers: list[tuple[Callable, Callable]], qs: list, head: tuple, at, state, loops: int):
