@@ -58,6 +58,9 @@ def main(argv: Sequence[str]) -> int:
     if cfg.draft_out_dir:  # checked before anything is printed
         from gpt.speculative import load_draft
         draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens)
+    if cfg.decode_kernels:
+        from gpt.sampling import with_decode_kernels
+        model = with_decode_kernels(model, cfg.num_samples, draft is not None, jax.default_backend())
     if cfg.top_k > model.cfg.vocab_size:
         if "top_k" in explicit:
             raise UserError(f"--top_k={cfg.top_k} exceeds the vocabulary ({model.cfg.vocab_size} "

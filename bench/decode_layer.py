@@ -4,23 +4,11 @@
 
 A GPT-2 token on a GPU is about 170 kernels of 2-3 us each, most far from the memory bandwidth
 (BENCHMARKS.md): XLA runs a layer as about fourteen. XLA's products alone cap batch-1 decoding
-near 40-50% of the bandwidth bound, under the 60% target. This measures, before anything is built
-on it, whether a layer as two hand-written (Pallas, Triton) kernels does better:
-
-- the MLP block, x + proj(gelu(fc(LayerNorm(x)))): program j takes hidden units [j BF, (j+1) BF),
-  normalises x itself (768 entries: every program does, so no kernel has to come first), multiplies
-  by its BF rows of fc's weight held [F, D], adds the bias, applies GELU, multiplies by its BF rows
-  of proj's weight held [F, D] (both contiguous rows, each weight read once in all), and writes a
-  partial output row that XLA sums with the bias and x after (`pallas`), or adds it into the
-  output (`atomic`: a buffer of zeros; program 0 also adds x and the bias, and clears the buffer
-  the next block will add into, so that nothing makes zeros between blocks: `Flow`);
-- the attention block, x + out(attention(qkv(LayerNorm(x)), cache)) at position `pos`: program h
-  takes head h: its q, k and v from its rows of the qkv weight [3D, D], writes k and v into the
-  cache (keys [H, K, S], values [H, S, K], the sampler's layouts), attends over positions up to pos
-  only (an online softmax over blocks of BS), and adds its rows of the output product into the
-  output as the atomic MLP kernel does. Only H programs (12 of an H200's 132 SMs) read the qkv
-  weight there, so `split` does the block in two kernels: q, k and v over 3D / BQ programs (k and
-  v into the cache), then a program a head for the attention and the output rows.
+near 40-50% of the bandwidth bound, under the 60% target. This measures whether a layer as
+hand-written Pallas (Triton) kernels does better: those of `gpt/ops/decode_kernels.py` (which
+says how they work and which `sample.py --decode_kernels` runs), in the variants below (block
+sizes, warps; the MLP adding atomically or writing partial rows that XLA sums; attention in one
+kernel or split in two).
 
 XLA's blocks take the weights [out, in], its fastest layout for one-row products (bench/matvec.py),
 and attend over the whole cache under a mask, as the sampler does. Every variant is checked against
@@ -45,15 +33,16 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.matvec import GPU, _params  # noqa: E402
+from bench.matvec import GPU  # noqa: E402
+from gpt.ops import decode_kernels as dk  # noqa: E402
+from gpt.ops.decode_kernels import Flow, gelu, start_flow  # noqa: E402
 from gpt.ops.norm import layer_norm  # noqa: E402
 
 D, F, H, EPS = 768, 3072, 12, 1e-5  # GPT-2's width, hidden width, heads and LayerNorm epsilon
@@ -69,26 +58,7 @@ ATTENTION_PALLAS = [(256, 64, 8), (256, 128, 8), (256, 256, 8)]  # 4 warps spill
 ATTENTION_SPLIT = [(32, 256, 128, 4, False), (16, 256, 256, 8, False), (16, 256, 256, 8, True)]
 
 
-class MLP(NamedTuple):
-    """An MLP block's parameters: the norm's scale and bias, fc's weight [F, D] ([out, in]) and
-    bias, proj's weight [F, D] ([in, out]) and bias; weights bf16."""
-    scale: jax.Array
-    bias: jax.Array
-    w_fc: jax.Array
-    b_fc: jax.Array
-    w_proj: jax.Array
-    b_proj: jax.Array
-
-
-class Attention(NamedTuple):
-    """An attention block's parameters: the norm's, the qkv weight [3D, D] ([out, in]) and bias, the
-    output weight [D, D] ([in, out]: head h's rows h K to (h+1) K) and bias; weights bf16."""
-    scale: jax.Array
-    bias: jax.Array
-    w_qkv: jax.Array
-    b_qkv: jax.Array
-    w_o: jax.Array
-    b_o: jax.Array
+MLP, Attention = dk.MLPParams, dk.AttentionParams  # the kernels' parameters
 
 
 def _small(key, shape, dtype=F32):
@@ -113,31 +83,9 @@ def random_cache(key: jax.Array, h: int, k: int, s: int) -> tuple[jax.Array, jax
     return (jax.random.normal(kk, (h, k, s)).astype(BF16), jax.random.normal(kv, (h, s, k)).astype(BF16))
 
 
-def gelu(a: jax.Array) -> jax.Array:
-    """GPT-2's tanh GELU written out, so that every variant computes the same thing."""
-    return 0.5 * a * (1.0 + jnp.tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)))
-
-
 def _bf16(a: jax.Array) -> jax.Array:
     """Rounded to bf16 and held in float32: where the sampler's model rounds (products' inputs)."""
     return a.astype(BF16).astype(F32)
-
-
-class Flow(NamedTuple):
-    """The residual stream x [D] and two [D] buffers of zeros. A one-kernel block's programs cannot
-    order a residual add among themselves, so they add their parts into `zero` (program 0 adds x
-    and the bias); program 0 also clears `spare`, the x of the block before last, which becomes the
-    next block's `zero`. Three buffers in rotation: no kernel, copy or memset makes zeros between
-    blocks (in a loop, a fresh zeros array each block compiled to a copy each), as long as a loop's
-    body runs a multiple of 3 such blocks (else XLA copies the buffers back to their places). Other
-    blocks leave the two buffers alone."""
-    x: jax.Array
-    zero: jax.Array
-    spare: jax.Array
-
-
-def start_flow(x_D: jax.Array) -> Flow:
-    return Flow(x_D, jnp.zeros_like(x_D), jnp.zeros_like(x_D))
 
 
 def _on_x(block: Callable) -> Callable:
@@ -181,241 +129,37 @@ def xla_layout(p: MLP | Attention) -> MLP | Attention:
     return p._replace(w_o=jnp.asarray(p.w_o.T.copy()))
 
 
-# The Pallas kernels. Triton blocks are powers of two and GPT-2's 768 is not, so rows are read in
-# chunks of BK columns (static loops).
-
-def _normed_chunks(x_ref, s_ref, b_ref, BK: int) -> list[jax.Array]:
-    """LayerNorm(x) in chunks of BK entries, rounded to bf16 as the products take it."""
-    d = x_ref.shape[0]
-    chunks = [pl.ds(c * BK, BK) for c in range(d // BK)]
-    xs, scales, biases = ([ref[c] for c in chunks] for ref in (x_ref, s_ref, b_ref))  # loads first (`_tiles`)
-    mean = sum(jnp.sum(x) for x in xs) / d
-    rstd = jax.lax.rsqrt(sum(jnp.sum(jnp.square(x - mean)) for x in xs) / d + EPS)
-    return [_bf16((x - mean) * rstd * sc + b) for x, sc, b in zip(xs, scales, biases, strict=True)]
-
-
-def _atomic_add(ref, idx, value) -> None:
-    """Pallas's Triton atomic add, imported where used: should a JAX release move it, only the
-    variants that add atomically fail (each as its row's error), not the tool."""
-    from jax.experimental.pallas import triton as plt
-    plt.atomic_add(ref, idx, value)
-
-
-def _tiles(w_ref, rows: pl.Slice, BK: int) -> list[jax.Array]:
-    """w[rows] loaded as tiles of BK columns, all before any is used: Triton emits the loads in
-    this order, and a load issued after a cross-warp reduction (a barrier) waits for it, so loading
-    a tile just before its product exposes the memory's latency once per tile (the PTX showed it)."""
-    return [w_ref[rows, pl.ds(c * BK, BK)] for c in range(w_ref.shape[1] // BK)]
-
-
-def _rows_times(tiles: list[jax.Array], hs: list[jax.Array]) -> jax.Array:
-    """w[rows] @ h in float32, both in chunks of columns (`_tiles`)."""
-    return sum(jnp.sum(t.astype(F32) * h[None, :], axis=1) for t, h in zip(tiles, hs, strict=True))
-
-
-def _add_rows_times(o_ref, v: jax.Array, tiles: list[jax.Array], BK: int, row: int | None) -> None:
-    """v @ w[rows] (float32, w in `_tiles`) into o: added atomically (row None), or written as row
-    `row` of o."""
-    for c, t in enumerate(tiles):
-        cols = pl.ds(c * BK, BK)
-        part = jnp.sum(v[:, None] * t.astype(F32), axis=0)
-        if row is None:
-            _atomic_add(o_ref, cols, part)
-        else:
-            o_ref[row, cols] = part
-
-
-def _add_residual(o_ref, cleared_ref, x_ref, b_ref, BK: int) -> None:
-    """Program 0 adds x and the output bias into o (atomically: the other programs are adding) and
-    clears the flow's spare buffer (`Flow`)."""
-    @pl.when(pl.program_id(0) == 0)
-    def _():
-        for c in range(x_ref.shape[0] // BK):
-            cols = pl.ds(c * BK, BK)
-            _atomic_add(o_ref, cols, x_ref[cols] + b_ref[cols])
-            cleared_ref[cols] = jnp.zeros((BK,), F32)
-
-
-def _mlp_kernel(x_ref, s_ref, b_ref, wfc_ref, bfc_ref, wp_ref, bp_ref, *refs, BF: int, BK: int, atomic: bool,
-                early: bool):
-    """Program j: hidden units [j BF, (j+1) BF) through fc, GELU and proj, into the output: its
-    partial row j, or (`atomic`) added into the flow's zeros, whose spare buffer it clears. Both
-    weights' rows are loaded first (`early`: one wait on the memory in all, more registers), or
-    each weight's just before its product (two)."""
-    j = pl.program_id(0)
-    rows = pl.ds(j * BF, BF)
-    w_fc = _tiles(wfc_ref, rows, BK)
-    w_proj = _tiles(wp_ref, rows, BK) if early else None
-    a = bfc_ref[rows] + _rows_times(w_fc, _normed_chunks(x_ref, s_ref, b_ref, BK))
-    g = _bf16(gelu(_bf16(a)))
-    if w_proj is None:
-        w_proj = _tiles(wp_ref, rows, BK)
-    if atomic:
-        _add_rows_times(refs[-2], g, w_proj, BK, None)
-        _add_residual(*refs[-2:], x_ref, bp_ref, BK)
-    else:
-        _add_rows_times(refs[-1], g, w_proj, BK, j)
-
-
-def pallas_mlp(x_D: jax.Array, p: MLP, BF: int, BK: int, warps: int = 4, early: bool = False) -> jax.Array:
-    """The kernel writing F / BF partial rows, which XLA sums with the bias and x."""
-    f, d = p.w_fc.shape
-    assert f % BF == 0 and d % BK == 0, (f, d, BF, BK)
-    kernel = functools.partial(_mlp_kernel, BF=BF, BK=BK, atomic=False, early=early)
-    part_PD = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((f // BF, d), F32), grid=(f // BF,),
-                             interpret=not GPU, compiler_params=_params(warps))(x_D, *p)
-    return x_D + part_PD.sum(0) + p.b_proj
-
-
-def atomic_mlp(flow: Flow, p: MLP, BF: int, BK: int, warps: int = 4, early: bool = False) -> Flow:
-    """The kernel adding into the flow's zeros: the whole block is one kernel."""
-    f, d = p.w_fc.shape
-    assert f % BF == 0 and d % BK == 0, (f, d, BF, BK)
-    kernel = functools.partial(_mlp_kernel, BF=BF, BK=BK, atomic=True, early=early)
-    args = (flow.x, *p, flow.zero, flow.spare)
-    n, vec = len(args), jax.ShapeDtypeStruct((d,), F32)
-    y, cleared = pl.pallas_call(kernel, out_shape=(vec, vec), grid=(f // BF,),
-                                input_output_aliases={n - 2: 0, n - 1: 1}, interpret=not GPU,
-                                compiler_params=_params(warps))(*args)
-    return Flow(y, cleared, flow.x)
-
-
-def _attend(q, k, v, k_ref, v_ref, h, pos, BS: int) -> jax.Array:
-    """Head h's attention output (float32 [K]) over cache positions [0, pos) and the new k, v at
-    pos (held here, not read back), as an online softmax over blocks of BS positions."""
-    qs = q * (1.0 / math.sqrt(q.shape[0]))
-    carry = (jnp.sum(qs * k), jnp.float32(1.0), v)  # running max, sum of exp, weighted values
-
-    def block(i, carry):
-        m, l, acc = carry
-        span = pl.ds(i * BS, BS)
-        k_KS, v_SK = k_ref[h, :, span], v_ref[h, span, :]  # both loads before a reduction (`_tiles`)
-        valid = i * BS + jnp.arange(BS) < pos  # what the last block holds past pos may be anything
-        s = jnp.where(valid, jnp.sum(k_KS.astype(F32) * qs[:, None], axis=0), -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s))
-        e, fix = jnp.exp(s - m_new), jnp.exp(m - m_new)
-        v_SK = jnp.where(valid[:, None], v_SK.astype(F32), 0.0)
-        acc = acc * fix + jnp.sum(_bf16(e)[:, None] * v_SK, axis=0)
-        return m_new, l * fix + jnp.sum(e), acc
-
-    _, l, acc = jax.lax.fori_loop(0, (pos + BS - 1) // BS, block, carry)
-    return _bf16(acc / l)
-
-
-def _attention_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, wo_ref, bo_ref, _k, _v, _zero, _spare,
-                      o_ref, k_ref, v_ref, cleared_ref, *, BK: int, BS: int):
-    """Program h: head h's q, k, v; k and v into the cache at pos; attention; its output rows."""
-    h, pos = pl.program_id(0), pos_ref[0]
-    (_, kd, _), d = k_ref.shape, x_ref.shape[0]
-    rows = [pl.ds(i * d + h * kd, kd) for i in range(3)]  # head h's rows of q, k and v
-    w_q = _tiles(wqkv_ref, rows[0], BK)  # before the norm's reductions; k's and v's after (registers)
-    hs = _normed_chunks(x_ref, s_ref, b_ref, BK)
-    q = _bf16(bqkv_ref[rows[0]] + _rows_times(w_q, hs))
-    k, v = (_bf16(bqkv_ref[r] + _rows_times(_tiles(wqkv_ref, r, BK), hs)) for r in rows[1:])
-    k_ref[h, :, pos] = k.astype(k_ref.dtype)
-    v_ref[h, pos, :] = v.astype(v_ref.dtype)
-    _add_rows_times(o_ref, _attend(q, k, v, k_ref, v_ref, h, pos, BS), _tiles(wo_ref, pl.ds(h * kd, kd), BK),
-                    BK, None)
-    _add_residual(o_ref, cleared_ref, x_ref, bo_ref, BK)
-
-
-def pallas_attention(flow: Flow, p: Attention, k_HKS, v_HSK, pos, BK: int, BS: int, warps: int = 4
-                     ) -> tuple[Flow, jax.Array, jax.Array]:
-    """The block as one kernel adding into the flow's zeros; the keys and values written in place."""
-    h, _, s = k_HKS.shape
-    assert flow.x.shape[0] % BK == 0 and s % BS == 0, (flow.x.shape, s, BK, BS)
-    kernel = functools.partial(_attention_kernel, BK=BK, BS=BS)
-    args = (jnp.reshape(pos, (1,)).astype(jnp.int32), flow.x, *p, k_HKS, v_HSK, flow.zero, flow.spare)
-    vec = jax.ShapeDtypeStruct(flow.x.shape, F32)
-    out = (vec, jax.ShapeDtypeStruct(k_HKS.shape, k_HKS.dtype), jax.ShapeDtypeStruct(v_HSK.shape, v_HSK.dtype), vec)
-    n = len(args)
-    y, k_HKS, v_HSK, cleared = pl.pallas_call(
-        kernel, out_shape=out, grid=(h,), input_output_aliases={n - 2: 0, n - 4: 1, n - 3: 2, n - 1: 3},
-        interpret=not GPU, compiler_params=_params(warps))(*args)
-    return Flow(y, cleared, flow.x), k_HKS, v_HSK
-
-
-def _qkv_kernel(pos_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, _k, _v, q_ref, k_ref, v_ref, *, BQ: int, BK: int):
-    """Program r: rows [r BQ, (r+1) BQ) of q, k and v stacked (BQ divides a head's K), into q's
-    buffer or the cache at pos."""
-    r, pos = pl.program_id(0), pos_ref[0]
-    (_, kd, _), d = k_ref.shape, x_ref.shape[0]
-    rows = pl.ds(r * BQ, BQ)
-    w = _tiles(wqkv_ref, rows, BK)
-    y = _bf16(bqkv_ref[rows] + _rows_times(w, _normed_chunks(x_ref, s_ref, b_ref, BK)))
-    part, row = r * BQ // d, r * BQ % d  # which of q, k and v; its row
-    h, within = row // kd, pl.ds(row % kd, BQ)
-
-    @pl.when(part == 0)
-    def _():
-        q_ref[rows] = y
-
-    @pl.when(part == 1)
-    def _():
-        k_ref[h, within, pos] = y.astype(k_ref.dtype)
-
-    @pl.when(part == 2)
-    def _():
-        v_ref[h, pos, within] = y.astype(v_ref.dtype)
-
-
-def _head_kernel(pos_ref, x_ref, q_ref, k_ref, v_ref, wo_ref, bo_ref, _zero, _spare, o_ref, cleared_ref, *,
-                 BK: int, BS: int, early: bool):
-    """Program h: head h's attention over the cache up to pos (written by `_qkv_kernel`) and its
-    rows of the output product, added into the flow's zeros; those rows loaded before the cache's
-    (`early`: their wait overlaps the attention's, for more registers) or after."""
-    h, pos = pl.program_id(0), pos_ref[0]
-    kd = k_ref.shape[1]
-    w_o = _tiles(wo_ref, pl.ds(h * kd, kd), BK) if early else None
-    k, v = k_ref[h, :, pos].astype(F32), v_ref[h, pos, :].astype(F32)
-    y = _attend(q_ref[pl.ds(h * kd, kd)], k, v, k_ref, v_ref, h, pos, BS)
-    if w_o is None:
-        w_o = _tiles(wo_ref, pl.ds(h * kd, kd), BK)
-    _add_rows_times(o_ref, y, w_o, BK, None)
-    _add_residual(o_ref, cleared_ref, x_ref, bo_ref, BK)
-
-
-def split_attention(flow: Flow, p: Attention, k_HKS, v_HSK, pos, BQ: int, BK: int, BS: int, warps: int = 4,
-                    early: bool = False) -> tuple[Flow, jax.Array, jax.Array]:
-    """The block as two kernels: q, k and v over 3D / BQ programs (the cache written in place),
-    then one program a head for the attention and the output rows. More programs read the qkv
-    weight than the one-kernel block's H."""
-    h, kd, s = k_HKS.shape
-    d = flow.x.shape[0]
-    assert kd % BQ == 0 and d % BK == 0 and s % BS == 0, (kd, d, s, BQ, BK, BS)
-    at = jnp.reshape(pos, (1,)).astype(jnp.int32)
-    cache = (jax.ShapeDtypeStruct(k_HKS.shape, k_HKS.dtype), jax.ShapeDtypeStruct(v_HSK.shape, v_HSK.dtype))
-    vec = jax.ShapeDtypeStruct((d,), F32)
-    q_D, k_HKS, v_HSK = pl.pallas_call(
-        functools.partial(_qkv_kernel, BQ=BQ, BK=BK), out_shape=(vec, *cache), grid=(3 * d // BQ,),
-        input_output_aliases={6: 1, 7: 2}, interpret=not GPU, compiler_params=_params(warps))(
-        at, flow.x, p.scale, p.bias, p.w_qkv, p.b_qkv, k_HKS, v_HSK)
-    y, cleared = pl.pallas_call(
-        functools.partial(_head_kernel, BK=BK, BS=BS, early=early), out_shape=(vec, vec), grid=(h,),
-        input_output_aliases={7: 0, 8: 1}, interpret=not GPU, compiler_params=_params(warps))(
-        at, flow.x, q_D, k_HKS, v_HSK, p.w_o, p.b_o, flow.zero, flow.spare)
-    return Flow(y, cleared, flow.x), k_HKS, v_HSK
+def _kernels(**kw) -> dk.Kernels:
+    return dk.Kernels(eps=EPS, interpret=not GPU, **kw)
 
 
 def mlp_variants() -> dict[str, tuple[Callable, Callable]]:
     """name -> (its parameters' layout, block(flow, p) -> flow)."""
     out = {"xla": (xla_layout, _on_x(xla_mlp))}
     for BF, BK, warps, atomic, early in MLP_PALLAS:
-        block = functools.partial(atomic_mlp if atomic else pallas_mlp, BF=BF, BK=BK, warps=warps, early=early)
+        k = _kernels(BF=BF, BK=BK, mlp_warps=warps, early=early)
+        block = functools.partial(dk.mlp_block, k=k) if atomic else _on_x(functools.partial(dk.mlp_rows, k=k))
         out[f"{'atomic' if atomic else 'pallas'} BF{BF} BK{BK} w{warps}{' early' if early else ''}"] = (
-            lambda p: p, block if atomic else _on_x(block))
+            lambda p: p, block)
     return out
+
+
+def _attention_block(k: dk.Kernels) -> Callable:
+    """block(flow, p, keys, values, pos) -> (flow, keys, values): the kernels' block over one
+    layer's cache, every position from 0 on."""
+    return lambda flow, p, keys, values, pos: dk.attention_block(flow, p, keys, values, pos, 0, k)
 
 
 def attention_variants() -> dict[str, tuple[Callable, Callable]]:
     """name -> (its parameters' layout, block(flow, p, keys, values, pos) -> (flow, keys, values))."""
     out = {"xla": (xla_layout, _on_x(xla_attention))}
     for BK, BS, warps in ATTENTION_PALLAS:
-        out[f"pallas BK{BK} BS{BS} w{warps}"] = (lambda p: p, functools.partial(
-            pallas_attention, BK=BK, BS=BS, warps=warps))
+        k = _kernels(BK=BK, BS=BS, attention_warps=warps, attention="one")
+        out[f"pallas BK{BK} BS{BS} w{warps}"] = (lambda p: p, _attention_block(k))
     for BQ, BK, BS, warps, early in ATTENTION_SPLIT:
-        out[f"split BQ{BQ} BK{BK} BS{BS} w{warps}{' early' if early else ''}"] = (lambda p: p, functools.partial(
-            split_attention, BQ=BQ, BK=BK, BS=BS, warps=warps, early=early))
+        k = _kernels(BQ=BQ, BK=BK, BS=BS, attention_warps=warps, early=early, attention="split")
+        name = f"split BQ{BQ} BK{BK} BS{BS} w{warps}{' early' if early else ''}"
+        out[name] = (lambda p: p, _attention_block(k))
     return out
 
 

@@ -293,9 +293,14 @@ def part_profile(r: Runner, sz: dict) -> dict:
 
 
 def part_kernels(r: Runner, sz: dict) -> dict:
-    """bench/decode_layer.py, bench/topk.py and bench/matvec.py: each row is the tool's JSON (its
-    values' errors and, on a GPU, its timings) with its exit status (1: a variant's values were off)."""
-    rows = {}
+    """The sampler at batch 1 with XLA's layers and with gpt/ops/decode_kernels.py's (`bench/sample.py
+    --decode_kernels`), then bench/decode_layer.py, bench/topk.py and bench/matvec.py: each row is
+    the tool's JSON (its values' errors and, on a GPU, its timings) with its exit status (1: a
+    variant's values were off)."""
+    rc, text, _ = r.run(sample_cmd(sz, "1") + ["--decode_kernels"])
+    rows = {"sampler": last_json(text) if rc == 0 else None}
+    rows["sampler"] = rows["sampler"] or {"error": why_failed(rc, text)}
+    r.save("kernels", rows)
     for tool in ("decode_layer", "topk", "matvec"):
         rc, text, _ = r.run([sys.executable, f"bench/{tool}.py", *sz["kernels"]])
         res = last_json(text)
@@ -353,7 +358,8 @@ def _sample_table(rows: dict) -> list[str]:
             lines.append(f"| {weights} | {x['error']} | | | | | |")
             continue
         for row in x["results"]:
-            lines.append(f"| {weights} | {row['config']} | {row['batch']} | "
+            config = row["config"] + (", kernels" if row.get("decode_kernels") else "")
+            lines.append(f"| {weights} | {config} | {row['batch']} | "
                          f"{row['decode_tokens_per_sec']:,.0f} | {row['ms_per_step']:.2f} | "
                          f"{row['bound_ms']:.2f} | {_pct(row['bw_util'])} of "
                          f"{row['copy_gbps']:,.0f} GB/s |")
@@ -474,7 +480,11 @@ def _topk_lines(row: dict) -> list[str]:
 
 
 def _kernels_table(rows: dict) -> list[str]:
-    lines = _layer_table(rows["decode_layer"]) if "decode_layer" in rows else []
+    lines = []
+    if "sampler" in rows:
+        lines += ["The sampler at batch 1 (bench/sample.py --decode_kernels): XLA's layers, then the "
+                  "decoding kernels' (`kernels`):", "", *_sample_table({"compute": rows["sampler"]}), ""]
+    lines += _layer_table(rows["decode_layer"]) if "decode_layer" in rows else []
     lines += _topk_lines(rows["topk"]) if "topk" in rows else []
     if "matvec" in rows:
         mv = rows["matvec"]

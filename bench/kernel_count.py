@@ -1,7 +1,7 @@
 """Kernels per decoded token as XLA compiles the sampler's loop for a GPU, on a machine without one.
 
     python bench/kernel_count.py [--target=h200|h100|cpu] [--config=gpt2] [--batch=1] [--top_k=200]
-                                 [--new_tokens=64] [--list] [--plan] [--json=PATH]
+                                 [--new_tokens=64] [--decode_kernels] [--list] [--plan] [--json=PATH]
     python bench/kernel_count.py --program=train [--target=...] [--list] [--plan] [train.py's settings]
                                  [--runtime=KEY=VALUE,...]  (bench/train.py's)
 
@@ -132,7 +132,8 @@ def decode_program(args, sharding) -> tuple[str, str]:
     cfg = preset_model(args.config)
     backend = _backend(args.target)
     dtype = decoding_dtype(args.dtype or "auto", backend)
-    rt = resolve(cfg, validate_compute(ComputeConfig(dtype=dtype)), backend)
+    kernels = ("triton" if backend == "gpu" else "interpret") if args.decode_kernels else ""
+    rt = resolve(cfg, validate_compute(ComputeConfig(dtype=dtype)), backend, decode_kernels=kernels)
     gd, params = nnx.split(nnx.eval_shape(lambda: for_decoding(GPT(cfg, rngs=nnx.Rngs(0), runtime=rt))))
     params = jax.eval_shape(lambda p: hold_in(p, rt.dtype), params)
     N, B = args.new_tokens, args.batch
@@ -429,6 +430,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16"),
                     help="auto (default: decoding; training takes a config's): bfloat16 on a GPU, "
                          "float32 on a CPU (as sample.py decodes)")
+    ap.add_argument("--decode_kernels", action="store_true",
+                    help="the layers as gpt/ops/decode_kernels.py's Pallas kernels "
+                         "(sample.py --decode_kernels)")
     ap.add_argument("--list", action="store_true", help="every kernel of the loop's body, in order")
     ap.add_argument("--json", default="", help="also write the counts to this file")
     ap.add_argument("--plan", action="store_true",

@@ -3,7 +3,7 @@
     python bench/sample.py [--configs=tiny,shakespeare-char,gpt2] [--batches=1,16]
                            [--prompt_len=16] [--new_tokens=256] [--baseline_tokens=N]
                            [--baseline_batches=1] [--dtype=auto] [--reps=3] [--baseline_reps=1]
-                           [--weights=compute|float32] [--transformers]
+                           [--weights=compute|float32] [--transformers] [--decode_kernels]
 
 Models are randomly initialised (vocabulary 65 for the char configs, 50257 for gpt2). For each
 config and batch size it reports the prefill time (the prompt through the model, filling the cache),
@@ -24,6 +24,9 @@ reach the copy figure, which counts reads and writes together) is `read_bound_ms
 --transformers also times Hugging Face `generate` (test-only torch, CPU) on a randomly initialised
 GPT2LMHeadModel of each config's shape, same batch, prompt length, new tokens, temperature 1 and
 top-k 200, as the decoding reference (`transformers_tokens_per_sec`, `vs_transformers`).
+--decode_kernels also times batch 1 with the layers as gpt/ops/decode_kernels.py's Pallas kernels
+(sample.py --decode_kernels; rows with `decode_kernels` true; off a GPU in Pallas's interpreter,
+which only says they run).
 
 Speculative decoding (gpt/speculative.py), plain and speculative side by side on the same target:
 
@@ -93,10 +96,12 @@ def preset_model(name: str) -> ModelConfig:
     return validate_model(ModelConfig(**kw))
 
 
-def build_model(name: str, dtype: str) -> tuple[ModelConfig, GPT]:
-    """Preset `name`'s architecture with random weights, computed in `dtype`."""
+def build_model(name: str, dtype: str, kernels: bool = False) -> tuple[ModelConfig, GPT]:
+    """Preset `name`'s architecture with random weights, computed in `dtype`; with `kernels`, its
+    one-row decoding steps through gpt/ops/decode_kernels.py (the interpreter off a GPU)."""
     cfg = preset_model(name)
-    rt = resolve(cfg, validate_compute(ComputeConfig(dtype=dtype)))
+    mode = ("triton" if jax.default_backend() == "gpu" else "interpret") if kernels else ""
+    rt = resolve(cfg, validate_compute(ComputeConfig(dtype=dtype)), decode_kernels=mode)
     return cfg, GPT(cfg, rngs=nnx.Rngs(0), runtime=rt)
 
 
@@ -120,8 +125,10 @@ def timed(fn, reps: int):
     return interleaved({"fn": fn}, reps)["fn"]
 
 
-def bench_config(name: str, args) -> list[dict]:
-    cfg, model = build_model(name, args.dtype)
+def bench_config(name: str, args, kernels: bool = False) -> list[dict]:
+    """`name`'s rows: a row per batch size, or with `kernels` batch 1 through the decoding kernels
+    (no baseline, no transformers: the rows without them have those)."""
+    cfg, model = build_model(name, args.dtype, kernels)
     model = for_decoding(model)  # as gpt.sampling.Sampler holds it
     gd, params = nnx.split(model)
     dtype = model.rt.dtype
@@ -134,7 +141,7 @@ def bench_config(name: str, args) -> list[dict]:
                                                             key, N))
     dec = jax.jit(lambda params, state: decode(nnx.merge(gd, params), state, N, s))
     rows = []
-    for B in args.batches:
+    for B in [1] if kernels else args.batches:
         prompt = jax.random.randint(jax.random.key(B), (B, P), 0, cfg.vocab_size, jnp.int32)
         start = jnp.zeros((B,), jnp.int32)
         key = jax.random.key(1)
@@ -145,13 +152,14 @@ def bench_config(name: str, args) -> list[dict]:
                "prefill_ms": 1e3 * t_pf, "decode_sec": t_dec,
                "decode_tokens_per_sec": B * N / t_dec, "ms_per_step": 1e3 * t_dec / N,
                "baseline_tokens_per_sec": None, "speedup": None, "weights": args.weights,
+               "decode_kernels": kernels,
                **bandwidth_bound(cfg, B, P + N / 2, weight_bytes, jnp.dtype(dtype).itemsize,
                                  args.copy_gbps, t_dec / N, args.read_gbps)}
-        if args.transformers:
+        if args.transformers and not kernels:
             t_hf = time_transformers(cfg, B, P, N, args.reps)
             row["transformers_tokens_per_sec"] = B * N / t_hf
             row["vs_transformers"] = t_hf / (t_pf + t_dec)  # generate includes its prefill
-        if B in args.baseline_batches:
+        if B in args.baseline_batches and not kernels:
             nb = args.baseline_tokens or N
             sb = SamplingSettings(max_new_tokens=nb, temperature=1.0, top_k=200)
             row_prompt = jax.device_get(prompt[0]).tolist()
@@ -164,11 +172,12 @@ def bench_config(name: str, args) -> list[dict]:
         rows.append(row)
         base = (f"{row['baseline_tokens_per_sec']:>10.1f} {row['speedup']:>8.1f}x"
                 if row["speedup"] else f"{'-':>10} {'-':>9}")
-        print(f"{name:<17} {B:>5} {row['prefill_ms']:>11.1f} {row['decode_tokens_per_sec']:>12.1f} "
+        label = name + (" kernels" if kernels else "")
+        print(f"{label:<17} {B:>5} {row['prefill_ms']:>11.1f} {row['decode_tokens_per_sec']:>12.1f} "
               f"{row['ms_per_step']:>9.2f} {base} {100 * row['bw_util']:>8.0f}% "
               f"{100 * row['read_util']:>8.0f}%"
               + (f" {row['transformers_tokens_per_sec']:>10.1f} {row['vs_transformers']:>7.2f}x"
-                 if args.transformers else ""), flush=True)
+                 if "vs_transformers" in row else ""), flush=True)
     return rows
 
 
@@ -463,6 +472,8 @@ def main(argv: list[str]) -> int:
                     help="parameters as held while decoding: cast to the compute dtype, or float32")
     ap.add_argument("--transformers", action="store_true",
                     help="also time Hugging Face generate on the same shapes (test-only torch)")
+    ap.add_argument("--decode_kernels", action="store_true",
+                    help="also batch 1 through gpt/ops/decode_kernels.py's Pallas kernels (sample.py's flag)")
     ap.add_argument("--speculative", action="store_true", help="also plain vs speculative decoding")
     ap.add_argument("--pair", default="shakespeare", choices=tuple(PAIRS))
     ap.add_argument("--pair_iters", type=int, default=2000, help="training steps of each model of --pair")
@@ -501,6 +512,8 @@ def main(argv: list[str]) -> int:
               + (f" {'HF tok/s':>10} {'vs HF':>8}" if args.transformers else ""))
     for c in configs:
         rows += bench_config(c, args)
+        if args.decode_kernels:
+            rows += bench_config(c, args, kernels=True)
     speculative = bench_speculative(args) if args.speculative else None
     print(json.dumps({"device": device, "jax": jax.__version__, "prompt_len": args.prompt_len,
                       "new_tokens": args.new_tokens, "weights": args.weights,

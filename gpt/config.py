@@ -163,6 +163,9 @@ class SampleConfig:
     stream: bool = True
     draft_out_dir: str = ""  # a smaller model with the same tokenizer: speculative decoding (gpt/speculative.py)
     num_draft_tokens: int = 4  # with --draft_out_dir: tokens the draft proposes per target forward
+    # GPU, one sample: each decoded token's layers as hand-written Pallas (Triton) kernels, three a
+    # layer where XLA makes about fourteen (gpt/ops/decode_kernels.py; GPT-2's block only)
+    decode_kernels: bool = False
 
 
 MAX_DRAFT_TOKENS = 32  # each draft token is kept only if all before it were: longer drafts are waste

@@ -33,6 +33,7 @@ from gpt import lora as lora_lib
 from gpt import moe as moe_lib
 from gpt import runtime as runtime_lib
 from gpt.config import ModelConfig
+from gpt.ops import decode_kernels as dk
 from gpt.ops.attention import attention, cached_attention, repeat_kv_heads
 from gpt.ops.cross_entropy import LinearCE, cross_entropy, linear_cross_entropy
 from gpt.ops.dense import contract_last, decode_dense, dense
@@ -262,13 +263,22 @@ SPECS = {"w_qkv": "btd,dchk->btchk", "w_q": "btd,dhk->bthk", "w_kv": "btd,dcgk->
          "w_proj": "btf,fd->btd"}
 
 
+# The weights for_decoding keeps [in, out] for the decoding kernels (`Runtime.decode_kernels`),
+# which read them by rows of the input
+KERNELS_IN_OUT = ("w_o", "w_proj")
+
+
 def _matmul(rt: Runtime, out_dtype):
     """x times a weight by einsum spec, as `rt` runs it: `decode_dense` over the [out, in] weights
-    that for_decoding holds, else `dense` (with its backward)."""
-    if rt.decode_layout:
-        few_rows = rt.decode_weights == "rows"
-        return lambda x, w, spec: decode_dense(x, w, spec, rt.dtype, out_dtype, few_rows)
-    return lambda x, w, spec: dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp, out_dtype)
+    that for_decoding holds, else `dense` (with its backward). `name`: the block's weight, one
+    of KERNELS_IN_OUT kept [in, out] under the decoding kernels."""
+    kept = KERNELS_IN_OUT if rt.decode_kernels else ()
+
+    def mm(x, w, spec, name: str | None = None):
+        if rt.decode_layout and name not in kept:
+            return decode_dense(x, w, spec, rt.dtype, out_dtype, rt.decode_weights == "rows")
+        return dense(x, w, spec, rt.dtype, rt.cpu_layouts, rt.dense_vjp, out_dtype)
+    return mm
 
 
 class Block(nnx.Module):
@@ -338,10 +348,10 @@ class Block(nnx.Module):
         adapters' dropout, None when not training). A `Normed` x: its 1/std scales the product's rows."""
         if isinstance(x, Normed):  # decoding, which has no adapters (for_decoding)
             assert self.lora is None, "Normed rows are for for_decoding's layers, which have no adapters"
-            y = mm(x.z_BTD, getattr(self, name)[...], spec)
+            y = mm(x.z_BTD, getattr(self, name)[...], spec, name)
             rstd = x.rstd_BT1.reshape(*x.rstd_BT1.shape[:2], *(1,) * (y.ndim - 2))
             return (y * rstd).astype(y.dtype)
-        y = mm(x, getattr(self, name)[...], spec)
+        y = mm(x, getattr(self, name)[...], spec, name)
         if self.lora is None or name not in self.lora.targets:
             return y
         a, b = (getattr(self, n)[...] for n in lora_lib.adapter_names(name))
@@ -388,6 +398,20 @@ class Block(nnx.Module):
         names = ("w_router", "w_fc", "b_fc", "w_proj", "b_proj")
         p = {n: _value(getattr(self, n)) for n in names}
         return moe_lib.moe_mlp(h_BTD, p, cfg, rt.dtype, capacity_factor, rt.mesh)
+
+    def kernel_params(self, cfg: ModelConfig) -> tuple[dk.AttentionParams, dk.MLPParams]:
+        """This decoding layer's arrays as the decoding kernels take them (gpt/ops/decode_kernels.py:
+        for_decoding's layouts, w_o and w_proj kept [in, out]); a bias the model lacks as zeros."""
+        D, F = cfg.n_embd, cfg.ffn
+
+        def arr(p: nnx.Param | None, *shape: int) -> jax.Array:
+            return jnp.zeros(shape, jnp.float32) if p is None else p[...].reshape(shape)
+        attention = dk.AttentionParams(arr(self.ln1_scale, D), arr(self.ln1_bias, D),
+                                       arr(self.w_qkv, 3 * D, D), arr(self.b_qkv, 3 * D),
+                                       arr(self.w_o, D, D), arr(self.b_o, D))
+        mlp = dk.MLPParams(arr(self.ln2_scale, D), arr(self.ln2_bias, D), arr(self.w_fc, F, D),
+                           arr(self.b_fc, F), arr(self.w_proj, F, D), arr(self.b_proj, D))
+        return attention, mlp
 
     def __call__(self, x_BTD, cache_write, positions_BT, mask_BTS, cfg: ModelConfig, rt: Runtime,
                  key, capacity_factor: float = 0.0):
@@ -586,6 +610,9 @@ class GPT(nnx.Module):
         """`_layers` over unstacked blocks (`for_decoding`): each layer's weights are arrays of
         their own. Returns x, the cache and the MoE layers' stacked routing figures."""
         cfg, rt = self.cfg, self.rt
+        if rt.decode_kernels and rt.decode_layout and cache is not None and x_BTD.shape[:2] == (1, 1) \
+                and cache.index.ndim == 0 and decode_kernels_problem(cfg) is None:
+            return self._kernel_layers(x_BTD, cache)
         held, stats = [cache], []  # the cache as each layer's write leaves it
         for layer, block in enumerate(self.blocks):
             layer_key = None if key is None else jax.random.fold_in(key, layer)
@@ -595,6 +622,49 @@ class GPT(nnx.Module):
         if cache is not None:
             cache = held[0]._replace(index=cache.index + x_BTD.shape[1])
         return x_BTD, cache, (jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None)
+
+
+    def _kernel_layers(self, x_BTD, cache: KVCache) -> tuple[jax.Array, KVCache, None]:
+        """`_layer_loop` for one row's step as the decoding kernels (gpt/ops/decode_kernels.py):
+        each layer's attention block, its keys and values written at slot index mod S (a cache
+        that does not wrap: `decode_kernels_problem`), then its MLP block, the stream between
+        them float32 (a `Flow`). The cache's layer, batch and head axes are one axis of rows:
+        layer l's heads are rows l H to (l + 1) H."""
+        cfg, rt = self.cfg, self.rt
+        L, _, H, K, S = cache.k_LBGKS.shape
+        k = dk.fit(dk.Kernels(eps=cfg.norm_eps, dtype=jnp.dtype(rt.dtype).name,
+                              interpret=rt.decode_kernels == "interpret"), cfg.n_embd, cfg.ffn, K, S)
+        k_NKS, v_NSK = cache.k_LBGKS.reshape(L * H, K, S), cache.v_LBGSK.reshape(L * H, S, K)
+        pos, start = jax.lax.rem(cache.index, S), cache.start_B[0]
+        flow = dk.start_flow(x_BTD.reshape(-1))
+        for layer, block in enumerate(self.blocks):
+            attention_p, mlp_p = block.kernel_params(cfg)
+            flow, k_NKS, v_NSK = dk.attention_block(flow, attention_p, k_NKS, v_NSK, pos, start, k,
+                                                    head0=layer * H)
+            flow = dk.mlp_block(flow, mlp_p, k)
+        cache = cache._replace(k_LBGKS=k_NKS.reshape(cache.k_LBGKS.shape),
+                               v_LBGSK=v_NSK.reshape(cache.v_LBGSK.shape), index=cache.index + 1)
+        return flow.x.reshape(x_BTD.shape).astype(x_BTD.dtype), cache, None
+
+
+def decode_kernels_problem(cfg: ModelConfig) -> str | None:
+    """Why the decoding kernels (gpt/ops/decode_kernels.py, `Runtime.decode_kernels`) cannot run
+    this model's layers, or None. They compute GPT-2's block: LayerNorm, a tanh-GELU MLP and
+    multi-head attention (heads a power of two wide, n_embd in all), with learned or sinusoidal
+    positions, whose cache never wraps (a longer text is recomputed in windows)."""
+    K = cfg.head_dim
+    problems = [
+        (cfg.norm != "layernorm", f"--norm={cfg.norm}"),
+        (cfg.mlp != "gelu" or cfg.activation != "gelu_tanh",
+         f"--mlp={cfg.mlp} --activation={cfg.activation}"),
+        (cfg.kv_heads != cfg.n_head, f"grouped-query attention (--n_kv_head={cfg.n_kv_head})"),
+        (cfg.qk_norm, "--qk_norm"),
+        (cfg.pos_embedding not in ("learned", "sinusoidal"), f"--pos_embedding={cfg.pos_embedding}"),
+        (bool(cfg.n_expert), "a mixture of experts"),
+        (K & (K - 1) != 0 or K * cfg.n_head != cfg.n_embd,
+         f"heads {K} wide ({cfg.n_head} of them, n_embd {cfg.n_embd})"),
+    ]
+    return next((what for bad, what in problems if bad), None)
 
 
 def for_decoding(model: GPT) -> GPT:
@@ -629,7 +699,7 @@ def for_decoding(model: GPT) -> GPT:
     if transpose:
         for block in layers:
             _fold_norm_biases(block)
-            _hold_out_in(block)
+            _hold_out_in(block, KERNELS_IN_OUT if model.rt.decode_kernels else ())
     out = nnx.merge(*nnx.split(model))  # a shallow twin: the other arrays are shared
     # nnx.data: with every block MoE, `blocks` was None (a static attribute) in the model
     out.blocks, out.moe_blocks = nnx.data(nnx.List(layers)), None
@@ -674,12 +744,13 @@ def _fold_norm_biases(block: Block) -> None:
         setattr(block, f"{norm}_bias", None)
 
 
-def _hold_out_in(block: Block) -> None:
+def _hold_out_in(block: Block, keep: tuple[str, ...] = ()) -> None:
     """Replace a decoding layer's dense weights by copies with the contracted axes last, the
-    layout `decode_dense` takes (the experts' weights of a MoE block are not `linear`'s: kept)."""
+    layout `decode_dense` takes (the experts' weights of a MoE block are not `linear`'s: kept;
+    so are those named in `keep`)."""
     for name in ("w_qkv", "w_q", "w_kv", "w_o", "w_fc", "w_proj"):
         w = getattr(block, name)
-        if w is None or (block.moe and name in ("w_fc", "w_proj")):
+        if w is None or name in keep or (block.moe and name in ("w_fc", "w_proj")):
             continue
         perm, _ = contract_last(_spec(block, name))
         axes = _axes(w)

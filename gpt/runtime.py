@@ -31,6 +31,7 @@ from gpt.ops.attention import ATTENTION_BLOCK
 
 _USER_ATTENTION = {"einsum": "reference", "xla": "xla", "cudnn": "cudnn"}
 DECODE_WEIGHTS = ("rows", "dot", "")  # Runtime.decode_weights
+DECODE_KERNELS = ("triton", "interpret", "")  # Runtime.decode_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +68,17 @@ class Runtime:
     # (gpt.ops.cross_entropy.linear_cross_entropy), never whole: 1 = whole; 0 = by the shapes
     # (`loss_chunks_for`: the CPU's auto); --loss_chunks
     loss_chunks: int = 1
+    # One-row decoding steps run each layer as the Pallas kernels of gpt/ops/decode_kernels.py
+    # (sample.py --decode_kernels; `gpt.model.decode_kernels_problem` says which models can):
+    # "triton" on a GPU, "interpret" in Pallas's interpreter (tests), "" not at all. for_decoding
+    # then keeps w_o and w_proj [in, out], the layout the kernels read by rows
+    decode_kernels: str = ""
 
     def __post_init__(self) -> None:
         if self.decode_weights not in DECODE_WEIGHTS:  # a typo would transpose, then multiply wrongly
             raise ValueError(f"decode_weights={self.decode_weights!r}: one of {DECODE_WEIGHTS}")
+        if self.decode_kernels not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernels={self.decode_kernels!r}: one of {DECODE_KERNELS}")
 
 
 # The CPU's auto loss chunks (--loss_chunks=0): slices of about this many rows (B x positions),

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gpt.model import GPT, KVCache, for_decoding, init_cache
+from gpt.errors import UserError
+from gpt.model import GPT, KVCache, decode_kernels_problem, for_decoding, init_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +234,22 @@ class Sampler:
                 row = row[:row.index(self.settings.eot_id) + 1]
             out.append(row)
         return out
+
+
+def with_decode_kernels(model: GPT, rows: int, speculative: bool, backend: str) -> GPT:
+    """The model set to decode one row's tokens through the Pallas kernels of
+    gpt/ops/decode_kernels.py (sample.py --decode_kernels), or a UserError saying why it cannot."""
+    problem = decode_kernels_problem(model.cfg)
+    if backend != "gpu":
+        problem = f"needs an NVIDIA GPU (Triton kernels), and this run is on {backend}"
+    elif rows != 1 or speculative:
+        problem = "decodes one row, without a draft: use --num_samples=1 and no --draft_out_dir"
+    elif problem is not None:
+        problem = f"runs GPT-2's block only, and this model has {problem}"
+    if problem is not None:
+        raise UserError(f"--decode_kernels {problem}; drop --decode_kernels")
+    model.rt = dataclasses.replace(model.rt, decode_kernels="triton")
+    return model
 
 
 def settings_from(cfg: Any, eot_id: int | None) -> SamplingSettings:

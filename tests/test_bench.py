@@ -406,8 +406,9 @@ def test_decode_layer_mixed_chains_match_xlas():
 
 @pytest.mark.slow  # 20 s: both tools in Pallas's interpreter
 def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
-    """bench/gpu.py --parts=kernels: decode_layer.py and matvec.py run, their values are checked and
-    gpu.md tables them (no timings off a GPU)."""
+    """bench/gpu.py --parts=kernels: the sampler with and without the decoding kernels, and
+    decode_layer.py, topk.py and matvec.py run, their values are checked and gpu.md tables them
+    (no timings of the kernels' variants off a GPU)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}", "--size=tiny",
                         "--parts=kernels"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -420,6 +421,8 @@ def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     md = (tmp_path / "gpu.md").read_text()
     assert "| mlp | xla | - | - |" in md and "| attention | xla | - | - |" in md
     assert "One-row products (bench/matvec.py): exit 0" in md
+    assert [r["decode_kernels"] for r in rows["sampler"]["results"]] == [False, True]
+    assert "| compute | tiny, kernels | 1 |" in md
 
 
 def test_gpu_suite_tables_kernel_timings():

@@ -414,3 +414,53 @@ def test_chunked_loss_never_holds_the_logits():
         grad = jax.jit(jax.grad(lambda p: train.loss_fn(gd, p, x, x)))
         temp[chunks] = grad.lower(params).compile().memory_analysis().temp_size_in_bytes
     assert temp[8] < temp[1] - 8 * 64 * 4096 * 4, temp
+
+
+@pytest.mark.parametrize("pos", ["learned", "sinusoidal"])
+def test_decode_kernels_are_the_same_model(pos):
+    """`Runtime.decode_kernels` (gpt/ops/decode_kernels.py, Pallas's interpreter here): for_decoding
+    keeps w_o and w_proj [in, out] for them, one-row steps run the layers as the kernels and give
+    the stacked model's logits and cache, from a left-padded start too; a prompt and a batch of
+    rows (the XLA layers, over the mixed layouts) still do."""
+    cfg = tiny_model_config(pos_embedding=pos)
+    rt = tiny_runtime(cfg, decode_weights="dot", decode_kernels="interpret")
+    graphdef = nnx.graphdef(M.abstract_model(cfg, runtime=rt))
+    norm_biases = {f"{n}_bias": 0.5 for n in ("ln1", "ln2", "lnf")}
+    model = nnx.merge(graphdef, random_params(cfg, seed=4, std=norm_biases))
+    dec = M.for_decoding(model)
+    D, H, K = cfg.n_embd, cfg.n_head, cfg.head_dim
+    assert dec.blocks[0].w_o.shape == (H, K, D) and dec.blocks[0].w_proj.shape == (cfg.ffn, D)
+    assert dec.blocks[0].w_fc.shape == (cfg.ffn, D) and dec.blocks[0].w_qkv.shape == (3, H, K, D)
+    call = nnx.jit(lambda m, x, cache: m(x, cache=cache))
+    x = tokens(3, 12, cfg.vocab_size)
+    for start in (0, 3):  # row 0's real tokens from `start` on (left padding)
+        cache = M.init_cache(cfg, 1, 20, jnp.float32, jnp.array([start]))
+        (la, ca), (lb, cb) = (call(m, x[:1, :8], cache) for m in (model, dec))
+        for t in range(8, 12):  # the kernels' steps
+            jaxpr = str(jax.make_jaxpr(lambda c: dec(x[:1, t:t + 1], cache=c))(cb))
+            assert jaxpr.count("pallas_call") == 3 * cfg.n_layer
+            (la, ca), (lb, cb) = (call(m, x[:1, t:t + 1], c) for m, c in ((model, ca), (dec, cb)))
+            np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(cb.k_LBGKS, ca.k_LBGKS, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(cb.v_LBGSK, ca.v_LBGSK, rtol=1e-5, atol=1e-6)
+        assert int(cb.index) == int(ca.index) == 12
+    cache = M.init_cache(cfg, 3, 16, jnp.float32)
+    (la, ca), (lb, cb) = (call(m, x[:, :8], cache) for m in (model, dec))
+    (la, _), (lb, _) = (call(m, x[:, 8:9], c) for m, c in ((model, ca), (dec, cb)))
+    np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_kernels_problem_names_what_they_lack():
+    gpt2 = ModelConfig(**{k: v for k, v in PRESETS["gpt2"].items() if k in ModelConfig.__dataclass_fields__})
+    assert M.decode_kernels_problem(gpt2) is None
+    assert M.decode_kernels_problem(tiny_model_config()) is None
+    assert M.decode_kernels_problem(tiny_model_config(norm="rmsnorm")) == "--norm=rmsnorm"
+    assert M.decode_kernels_problem(tiny_model_config(pos_embedding="rope")) == "--pos_embedding=rope"
+    assert M.decode_kernels_problem(tiny_model_config(n_head=4, n_kv_head=2)).startswith("grouped-query")
+    assert M.decode_kernels_problem(tiny_model_config(n_embd=48, n_head=2)) == \
+        "heads 24 wide (2 of them, n_embd 48)"
+    # a model the kernels cannot run decodes through XLA's layers, whatever the runtime says
+    cfg = tiny_model_config(norm="rmsnorm")
+    dec = M.for_decoding(make(cfg, decode_weights="dot", decode_kernels="interpret"))
+    cache = M.init_cache(cfg, 1, 8, jnp.float32)
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda c: dec(tokens(1, 1, 65), cache=c))(cache))

@@ -61,6 +61,26 @@ def test_past_block_size_matches_nanogpt_crop():
     assert got == full_recompute_generate(model, long_prompt, jax.random.key(0), greedy(10))
 
 
+def test_decode_kernels_equal_full_recompute():
+    """sample.py --decode_kernels (Pallas's interpreter here): one row's greedy tokens from the
+    kernels' layers are the full recompute's, before block_size and past it (where the window is
+    recomputed by XLA's layers), and a sampled row is the XLA layers' (same key)."""
+    from helpers import random_params, tiny_runtime
+    from gpt.model import abstract_model
+    cfg = tiny_model_config(block_size=16)
+    std = {"wte": 1.0, "wpe": 1.0, "w_qkv": 1.0, "w_fc": 1.0, "w_o": 0.5, "w_proj": 0.5}  # varied tokens
+    params = random_params(cfg, seed=7, std=std)
+    models = {k: nnx.merge(nnx.graphdef(abstract_model(cfg, runtime=tiny_runtime(
+        cfg, decode_weights="dot", decode_kernels=k))), params) for k in ("", "interpret")}
+    prompt = [1, 2, 3, 4, 5]
+    got = Sampler(models["interpret"], greedy(24), chunk=8).generate([prompt], jax.random.key(0))[0]
+    assert got == full_recompute_generate(models[""], prompt, jax.random.key(0), greedy(24))
+    assert len(set(got)) > 3
+    sampled = SamplingSettings(max_new_tokens=12, temperature=1.0, top_k=20)
+    rows = [Sampler(m, sampled).generate([prompt], jax.random.key(1))[0] for m in models.values()]
+    assert rows[0] == rows[1]
+
+
 def rope_window_greedy(model, prompt, n):
     """Greedy tokens where each is predicted from the last block_size tokens at their own positions
     (counted from the prompt's first token, or from its crop to block_size), recomputed each time
