@@ -115,3 +115,37 @@ def test_cached_bf16_logits_match_full_forward_on_gpu():
         logits, cache = model(tokens[:, t:t + 1], cache=cache)
         steps.append(logits[:, -1])
     assert _rel(jnp.stack(steps, 1)[..., :65], full[:, 7:-1, :65]) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_kernels_on_gpu(dtype):
+    """sample.py --decode_kernels's Triton kernels (gpt/ops/decode_kernels.py) on the GPU: in float32
+    one row's greedy tokens are the full recompute's (before block_size and past it); in bf16 their
+    logits are as near float32's as XLA's bf16 layers are (the kernels round where they do)."""
+    from flax import nnx
+
+    from bench.nocache import full_recompute_generate
+    from gpt.model import abstract_model
+    from gpt.sampling import SamplingSettings, Sampler
+    from helpers import random_params, tiny_runtime
+    cfg = tiny_model_config(block_size=48, n_embd=128, n_head=4)
+    std = {"wte": 1.0, "wpe": 1.0, "w_qkv": 0.5, "w_fc": 0.5, "w_o": 0.3, "w_proj": 0.3}
+    params = random_params(cfg, seed=7, std=std)
+    make = lambda kernels, dt: nnx.merge(nnx.graphdef(abstract_model(  # noqa: E731
+        cfg, runtime=tiny_runtime(cfg, dtype=dt, decode_kernels=kernels))), params)
+    with jax.default_matmul_precision("highest"):
+        if dtype == "float32":
+            s = SamplingSettings(max_new_tokens=64, temperature=0.0)
+            for n in (1, 5, 17):
+                prompt = np.random.default_rng(n).integers(0, 65, size=n).tolist()
+                got = Sampler(make("triton", dtype), s, chunk=16).generate([prompt], jax.random.key(0))[0]
+                assert got == full_recompute_generate(make("", dtype), prompt, jax.random.key(0), s)
+            return
+        s = SamplingSettings(max_new_tokens=24, temperature=0.0)
+        last = {}
+        for kernels, dt in (("", "float32"), ("", dtype), ("triton", dtype)):
+            sampler = Sampler(make(kernels, dt), s, chunk=8)
+            state = next(sampler.chunks(sampler.start([[1, 2, 3, 4, 5]], jax.random.key(0))))  # 8 steps
+            last[kernels, dt] = np.asarray(state.next_logits_BV)[:, :65]
+    ref = last["", "float32"]
+    assert _rel(last["triton", dtype], ref) < max(2 * _rel(last["", dtype], ref), 1e-2)
