@@ -85,7 +85,7 @@ def random_cache(key: jax.Array, h: int, k: int, s: int) -> tuple[jax.Array, jax
 
 def _bf16(a: jax.Array) -> jax.Array:
     """Rounded to bf16 and held in float32: where the sampler's model rounds (products' inputs)."""
-    return a.astype(BF16).astype(F32)
+    return dk.round_to(a, BF16)
 
 
 def _on_x(block: Callable) -> Callable:
@@ -163,34 +163,6 @@ def attention_variants() -> dict[str, tuple[Callable, Callable]]:
     return out
 
 
-def _ln64(x: np.ndarray, p) -> np.ndarray:
-    scale, bias = (np.asarray(a, np.float64) for a in (p.scale, p.bias))
-    return (x - x.mean()) / np.sqrt(x.var() + EPS) * scale + bias
-
-
-def reference_mlp(x_D, p: MLP) -> np.ndarray:
-    """The MLP block in float64 from the same (bf16) weights, with no intermediate rounding."""
-    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
-    x = f64(x_D)
-    a = f64(p.w_fc) @ _ln64(x, p) + f64(p.b_fc)
-    g = 0.5 * a * (1.0 + np.tanh(0.7978845608028654 * (a + 0.044715 * a ** 3)))
-    return x + g @ f64(p.w_proj) + f64(p.b_proj)
-
-
-def reference_attention(x_D, p: Attention, k_HKS, v_HSK, pos: int) -> np.ndarray:
-    """The attention block in float64: the cache's earlier positions as held (bf16), the new
-    position's key and value unrounded."""
-    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
-    (h, kd, _), x = k_HKS.shape, f64(x_D)
-    q, k, v = (f64(p.w_qkv) @ _ln64(x, p) + f64(p.b_qkv)).reshape(3, h, kd)
-    keys, values = f64(k_HKS)[:, :, :pos + 1].copy(), f64(v_HSK)[:, :pos + 1].copy()
-    keys[:, :, pos], values[:, pos] = k, v
-    s = np.einsum("hk,hks->hs", q, keys) / math.sqrt(kd)
-    e = np.exp(s - s.max(-1, keepdims=True))
-    y = np.einsum("hs,hsk->hk", e / e.sum(-1, keepdims=True), values).reshape(-1)
-    return x + y @ f64(p.w_o) + f64(p.b_o)
-
-
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
@@ -210,7 +182,7 @@ def check_mlp(key: jax.Array, d: int = D, f: int = F) -> dict[str, dict]:
     kx, kp = jax.random.split(key)
     x, p = jax.random.normal(kx, (d,)), random_mlp(kp, d, f)
     x64 = np.asarray(x, np.float64)
-    ref = reference_mlp(x, p) - x64
+    ref = dk.reference_mlp(x, p, EPS) - x64
     out = {name: _attempt(lambda v=v: _outputs(jax.jit(v[1])(_test_flow(x), v[0](p)))[0] - x64)
            for name, v in mlp_variants().items()}
     return {name: y if isinstance(y, dict) else {"vs_float64": _rel(y, ref), "vs_xla": _rel(y, out["xla"])}
@@ -252,7 +224,7 @@ def check_attention(key: jax.Array, d: int = D, h: int = H, s: int = 512, pos: i
     x64, at = np.asarray(x, np.float64), jnp.int32(pos)
     run = lambda layout, block: _outputs(jax.jit(block)(_test_flow(x), layout(p), keys, values, at))  # noqa: E731
     out = {name: _attempt(lambda v=v: run(*v)) for name, v in attention_variants().items()}
-    ref = reference_attention(x, p, keys, values, pos) - x64
+    ref = dk.reference_attention(x, p, keys, values, pos, 0, EPS) - x64
     return {name: got if isinstance(got, dict) else _attention_errors(got, out["xla"], ref, x64, keys, values, pos)
             for name, got in out.items()}
 

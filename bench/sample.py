@@ -78,7 +78,7 @@ from flax import nnx  # noqa: E402
 from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import (PRESETS, ComputeConfig, ModelConfig, validate_compute,  # noqa: E402
                         validate_model)
-from gpt.model import GPT, for_decoding, num_params  # noqa: E402
+from gpt.model import GPT, decode_kernels_problem, for_decoding, num_params  # noqa: E402
 from gpt.runtime import decoding_dtype, resolve, run_cpu_programs_inline  # noqa: E402
 from bench.nocache import full_recompute_generate  # noqa: E402
 from gpt.sampling import SamplingSettings, decode, prefill  # noqa: E402
@@ -494,6 +494,8 @@ def main(argv: list[str]) -> int:
     for c in configs:
         if c not in PRESETS:
             ap.error(f"unknown config {c!r} (choose from {', '.join(PRESETS)})")
+        if args.decode_kernels and decode_kernels_problem(preset_model(c)):
+            ap.error(f"--decode_kernels: config {c} has {decode_kernels_problem(preset_model(c))}")
     if args.distill_rows < 0 or (args.distill_rows and args.target_dir):
         ap.error("--distill_rows must be >= 0, and applies to a --pair trained here, not to --target_dir")
     if args.draft_iters < 0:

@@ -403,6 +403,10 @@ class Block(nnx.Module):
         """This decoding layer's arrays as the decoding kernels take them (gpt/ops/decode_kernels.py:
         for_decoding's layouts, w_o and w_proj kept [in, out]); a bias the model lacks as zeros."""
         D, F = cfg.n_embd, cfg.ffn
+        layouts = {"w_qkv": (3, cfg.n_head, cfg.head_dim, D), "w_o": (cfg.n_head, cfg.head_dim, D),
+                   "w_fc": (F, D), "w_proj": (F, D)}
+        for name, shape in layouts.items():  # a reshape of another layout would multiply wrongly
+            assert getattr(self, name).shape == shape, (name, getattr(self, name).shape, shape)
 
         def arr(p: nnx.Param | None, *shape: int) -> jax.Array:
             return jnp.zeros(shape, jnp.float32) if p is None else p[...].reshape(shape)
@@ -626,20 +630,23 @@ class GPT(nnx.Module):
 
     def _kernel_layers(self, x_BTD, cache: KVCache) -> tuple[jax.Array, KVCache, None]:
         """`_layer_loop` for one row's step as the decoding kernels (gpt/ops/decode_kernels.py):
-        each layer's attention block, its keys and values written at slot index mod S (a cache
-        that does not wrap: `decode_kernels_problem`), then its MLP block, the stream between
-        them float32 (a `Flow`). The cache's layer, batch and head axes are one axis of rows:
-        layer l's heads are rows l H to (l + 1) H."""
+        each layer's attention block, its keys and values written at slot index mod S, attending
+        to the tokens `cache_positions` masks in (from the row's start, within the window), then
+        its MLP block. The stream between the blocks is float32 (a `Flow`; a bf16 stream,
+        `Runtime.residual`, is rounded after the last layer only), and each block adds its
+        float32 output where XLA's layers round it to `matmul_out` first: the kernels' logits
+        are nearer float32's (BENCHMARKS.md). The cache's layer, batch and head axes are one axis
+        of rows: layer l's heads are rows l H to (l + 1) H."""
         cfg, rt = self.cfg, self.rt
         L, _, H, K, S = cache.k_LBGKS.shape
         k = dk.fit(dk.Kernels(eps=cfg.norm_eps, dtype=jnp.dtype(rt.dtype).name,
                               interpret=rt.decode_kernels == "interpret"), cfg.n_embd, cfg.ffn, K, S)
         k_NKS, v_NSK = cache.k_LBGKS.reshape(L * H, K, S), cache.v_LBGSK.reshape(L * H, S, K)
-        pos, start = jax.lax.rem(cache.index, S), cache.start_B[0]
+        lo = jnp.maximum(cache.start_B[0], cache.index - min(cfg.block_size, S) + 1)  # the first token seen
         flow = dk.start_flow(x_BTD.reshape(-1))
         for layer, block in enumerate(self.blocks):
             attention_p, mlp_p = block.kernel_params(cfg)
-            flow, k_NKS, v_NSK = dk.attention_block(flow, attention_p, k_NKS, v_NSK, pos, start, k,
+            flow, k_NKS, v_NSK = dk.attention_block(flow, attention_p, k_NKS, v_NSK, cache.index, lo, k,
                                                     head0=layer * H)
             flow = dk.mlp_block(flow, mlp_p, k)
         cache = cache._replace(k_LBGKS=k_NKS.reshape(cache.k_LBGKS.shape),
@@ -650,8 +657,8 @@ class GPT(nnx.Module):
 def decode_kernels_problem(cfg: ModelConfig) -> str | None:
     """Why the decoding kernels (gpt/ops/decode_kernels.py, `Runtime.decode_kernels`) cannot run
     this model's layers, or None. They compute GPT-2's block: LayerNorm, a tanh-GELU MLP and
-    multi-head attention (heads a power of two wide, n_embd in all), with learned or sinusoidal
-    positions, whose cache never wraps (a longer text is recomputed in windows)."""
+    multi-head attention (heads a power of two wide, n_embd in all), with learned, sinusoidal or
+    no positions (none rotated inside attention, as RoPE's are)."""
     K = cfg.head_dim
     problems = [
         (cfg.norm != "layernorm", f"--norm={cfg.norm}"),
@@ -659,10 +666,12 @@ def decode_kernels_problem(cfg: ModelConfig) -> str | None:
          f"--mlp={cfg.mlp} --activation={cfg.activation}"),
         (cfg.kv_heads != cfg.n_head, f"grouped-query attention (--n_kv_head={cfg.n_kv_head})"),
         (cfg.qk_norm, "--qk_norm"),
-        (cfg.pos_embedding not in ("learned", "sinusoidal"), f"--pos_embedding={cfg.pos_embedding}"),
+        (cfg.pos_embedding == "rope", f"--pos_embedding={cfg.pos_embedding}"),
         (bool(cfg.n_expert), "a mixture of experts"),
         (K & (K - 1) != 0 or K * cfg.n_head != cfg.n_embd,
          f"heads {K} wide ({cfg.n_head} of them, n_embd {cfg.n_embd})"),
+        (cfg.n_embd // dk.fit(dk.Kernels(), cfg.n_embd, cfg.ffn, K, 1).BK > dk.MAX_TILES,
+         f"n_embd {cfg.n_embd}, read in more than {dk.MAX_TILES} tiles of a power of two"),
     ]
     return next((what for bad, what in problems if bad), None)
 

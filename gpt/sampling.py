@@ -248,8 +248,9 @@ def with_decode_kernels(model: GPT, rows: int, speculative: bool, backend: str) 
         problem = f"runs GPT-2's block only, and this model has {problem}"
     if problem is not None:
         raise UserError(f"--decode_kernels {problem}; drop --decode_kernels")
-    model.rt = dataclasses.replace(model.rt, decode_kernels="triton")
-    return model
+    out = nnx.merge(*nnx.split(model))  # a twin sharing its arrays
+    out.rt = dataclasses.replace(model.rt, decode_kernels="triton")
+    return out
 
 
 def settings_from(cfg: Any, eot_id: int | None) -> SamplingSettings:

@@ -61,24 +61,50 @@ def test_past_block_size_matches_nanogpt_crop():
     assert got == full_recompute_generate(model, long_prompt, jax.random.key(0), greedy(10))
 
 
-def test_decode_kernels_equal_full_recompute():
+@pytest.mark.parametrize("pos", ["learned", "none"])
+def test_decode_kernels_equal_full_recompute(pos):
     """sample.py --decode_kernels (Pallas's interpreter here): one row's greedy tokens from the
-    kernels' layers are the full recompute's, before block_size and past it (where the window is
-    recomputed by XLA's layers), and a sampled row is the XLA layers' (same key)."""
+    kernels' layers, before block_size and past it, are the full recompute's (learned positions:
+    the window recomputed by XLA's layers), or the XLA layers' (no positions: the cache rolls, the
+    kernels attend over the ring); a sampled row is the XLA layers' (same key)."""
     from helpers import random_params, tiny_runtime
     from gpt.model import abstract_model
-    cfg = tiny_model_config(block_size=16)
+    cfg = tiny_model_config(block_size=16, pos_embedding=pos)
     std = {"wte": 1.0, "wpe": 1.0, "w_qkv": 1.0, "w_fc": 1.0, "w_o": 0.5, "w_proj": 0.5}  # varied tokens
     params = random_params(cfg, seed=7, std=std)
     models = {k: nnx.merge(nnx.graphdef(abstract_model(cfg, runtime=tiny_runtime(
         cfg, decode_weights="dot", decode_kernels=k))), params) for k in ("", "interpret")}
     prompt = [1, 2, 3, 4, 5]
-    got = Sampler(models["interpret"], greedy(24), chunk=8).generate([prompt], jax.random.key(0))[0]
-    assert got == full_recompute_generate(models[""], prompt, jax.random.key(0), greedy(24))
-    assert len(set(got)) > 3
+    sampler = Sampler(models["interpret"], greedy(24), chunk=8)
+    state = sampler.start([prompt], jax.random.key(0))
+    jaxpr = str(jax.make_jaxpr(lambda p, st: sampler._decode.__wrapped__(p, st, 8))(sampler.params, state))
+    assert jaxpr.count("pallas_call") == 3 * cfg.n_layer  # the kernels run (once, in the loop's body)
+    got = sampler.generate([prompt], jax.random.key(0))[0]
+    if pos == "learned":
+        assert got == full_recompute_generate(models[""], prompt, jax.random.key(0), greedy(24))
+    else:  # a rolling cache is not a recomputed window: the XLA layers' rolling cache
+        assert got == Sampler(models[""], greedy(24)).generate([prompt], jax.random.key(0))[0]
+    assert len(set(got)) >= 3
     sampled = SamplingSettings(max_new_tokens=12, temperature=1.0, top_k=20)
     rows = [Sampler(m, sampled).generate([prompt], jax.random.key(1))[0] for m in models.values()]
     assert rows[0] == rows[1]
+
+
+def test_with_decode_kernels_says_why_not():
+    """sample.py --decode_kernels's checks, each a one-line error (the bad-input matrix runs the
+    off-a-GPU one), and the model it returns: a twin set to run the Triton kernels."""
+    from gpt.errors import UserError
+    from gpt.sampling import with_decode_kernels
+    gpt2, rope = GPT(tiny_model_config(), rngs=nnx.Rngs(0)), GPT(tiny_model_config(pos_embedding="rope"),
+                                                                  rngs=nnx.Rngs(0))
+    for model, rows, draft, backend, why in [(gpt2, 1, False, "cpu", "needs an NVIDIA GPU"),
+                                             (gpt2, 2, False, "gpu", "--num_samples=1"),
+                                             (gpt2, 1, True, "gpu", "no --draft_out_dir"),
+                                             (rope, 1, False, "gpu", "this model has --pos_embedding=rope")]:
+        with pytest.raises(UserError, match=why):
+            with_decode_kernels(model, rows, draft, backend)
+    twin = with_decode_kernels(gpt2, 1, False, "gpu")
+    assert twin.rt.decode_kernels == "triton" and gpt2.rt.decode_kernels == "" and twin.wte is gpt2.wte
 
 
 def rope_window_greedy(model, prompt, n):

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 F32 = jnp.float32
@@ -104,11 +105,18 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return min(n & -n, cap)
 
 
+MAX_TILES = 8  # row tiles (d / BK) a kernel reads: 25 (GPT-2 XL's 1600 in tiles of 64) spilled registers
+EARLY_BYTES = 640  # the MLP's weight bytes a thread may hold `early`: GPT-2 to 1280 wide (ptxas, offline)
+
+
 def fit(k: Kernels, d: int, f: int, head_dim: int, slots: int) -> Kernels:
     """`k` with its block sizes shrunk to divide a model's width d, hidden width f and head dim
-    (a power of two), and BS to fit a cache of `slots` positions."""
-    return k._replace(BK=_pow2_divisor(d, k.BK), BF=_pow2_divisor(f, k.BF), BQ=_pow2_divisor(head_dim, k.BQ),
-                      BS=min(k.BS, 1 << (slots.bit_length() - 1)))
+    (a power of two), BS to fit a cache of `slots` positions, and the MLP's weights loaded
+    `early` only where they fit in registers (EARLY_BYTES)."""
+    k = k._replace(BK=_pow2_divisor(d, k.BK), BF=_pow2_divisor(f, k.BF), BQ=_pow2_divisor(head_dim, k.BQ),
+                   BS=min(k.BS, 1 << (slots.bit_length() - 1)))
+    per_thread = 2 * k.BF * d * jnp.dtype(k.dtype).itemsize // (32 * k.mlp_warps)
+    return k._replace(early=k.early and per_thread <= EARLY_BYTES)
 
 
 def gelu(a: jax.Array) -> jax.Array:
@@ -116,7 +124,7 @@ def gelu(a: jax.Array) -> jax.Array:
     return 0.5 * a * (1.0 + jnp.tanh(GELU_C * (a + 0.044715 * a * a * a)))
 
 
-def _round(a: jax.Array, dtype) -> jax.Array:
+def round_to(a: jax.Array, dtype) -> jax.Array:
     """Rounded to the products' input dtype and held in float32."""
     return a.astype(dtype).astype(F32)
 
@@ -137,10 +145,12 @@ def _normed_chunks(x_ref, s_ref, b_ref, k: Kernels) -> list[jax.Array]:
     xs, scales, biases = ([ref[c] for c in chunks] for ref in (x_ref, s_ref, b_ref))  # loads first (`_tiles`)
     mean = sum(jnp.sum(x) for x in xs) / d
     rstd = jax.lax.rsqrt(sum(jnp.sum(jnp.square(x - mean)) for x in xs) / d + k.eps)
-    return [_round((x - mean) * rstd * sc + b, k.dtype) for x, sc, b in zip(xs, scales, biases, strict=True)]
+    return [round_to((x - mean) * rstd * sc + b, k.dtype)
+            for x, sc, b in zip(xs, scales, biases, strict=True)]
 
 
 def _atomic_add(ref, idx, value) -> None:
+    """Pallas's Triton atomic add, imported where used: the interpreter needs no Triton module."""
     from jax.experimental.pallas import triton as plt
     plt.atomic_add(ref, idx, value)
 
@@ -152,17 +162,18 @@ def _tiles(w_ref, rows: pl.Slice, BK: int) -> list[jax.Array]:
     return [w_ref[rows, pl.ds(c * BK, BK)] for c in range(w_ref.shape[1] // BK)]
 
 
-def _rows_times(tiles: list[jax.Array], hs: list[jax.Array]) -> jax.Array:
-    """w[rows] @ h in float32, both in chunks of columns (`_tiles`)."""
-    return sum(jnp.sum(t.astype(F32) * h[None, :], axis=1) for t, h in zip(tiles, hs, strict=True))
+def _rows_times(tiles: list[jax.Array], hs: list[jax.Array], k: Kernels) -> jax.Array:
+    """w[rows] @ h summed in float32, both in chunks of columns (`_tiles`); the weight taken in the
+    products' dtype, as XLA's layers take it (a no-op when it is held so)."""
+    return sum(jnp.sum(round_to(t, k.dtype) * h[None, :], axis=1) for t, h in zip(tiles, hs, strict=True))
 
 
-def _add_rows_times(o_ref, v: jax.Array, tiles: list[jax.Array], BK: int, row: int | None) -> None:
-    """v @ w[rows] (float32, w in `_tiles`) into o: added atomically (row None), or written as row
-    `row` of o."""
+def _add_rows_times(o_ref, v: jax.Array, tiles: list[jax.Array], k: Kernels, row: int | None) -> None:
+    """v @ w[rows] (float32 sums, w in `_tiles`) into o: added atomically (row None), or written as
+    row `row` of o."""
     for c, t in enumerate(tiles):
-        cols = pl.ds(c * BK, BK)
-        part = jnp.sum(v[:, None] * t.astype(F32), axis=0)
+        cols = pl.ds(c * k.BK, k.BK)
+        part = jnp.sum(v[:, None] * round_to(t, k.dtype), axis=0)
         if row is None:
             _atomic_add(o_ref, cols, part)
         else:
@@ -187,15 +198,15 @@ def _mlp_kernel(x_ref, s_ref, b_ref, wfc_ref, bfc_ref, wp_ref, bp_ref, *refs, k:
     rows = pl.ds(j * k.BF, k.BF)
     w_fc = _tiles(wfc_ref, rows, k.BK)
     w_proj = _tiles(wp_ref, rows, k.BK) if k.early else None
-    a = bfc_ref[rows] + _rows_times(w_fc, _normed_chunks(x_ref, s_ref, b_ref, k))
-    g = _round(gelu(_round(a, k.dtype)), k.dtype)
+    a = bfc_ref[rows] + _rows_times(w_fc, _normed_chunks(x_ref, s_ref, b_ref, k), k)
+    g = round_to(gelu(round_to(a, k.dtype)), k.dtype)
     if w_proj is None:
         w_proj = _tiles(wp_ref, rows, k.BK)
     if atomic:
-        _add_rows_times(refs[-2], g, w_proj, k.BK, None)
+        _add_rows_times(refs[-2], g, w_proj, k, None)
         _add_residual(*refs[-2:], x_ref, bp_ref, k.BK)
     else:
-        _add_rows_times(refs[-1], g, w_proj, k.BK, j)
+        _add_rows_times(refs[-1], g, w_proj, k, j)
 
 
 def _check_mlp(p: MLPParams, k: Kernels) -> tuple[int, int]:
@@ -222,15 +233,21 @@ def mlp_block(flow: Flow, p: MLPParams, k: Kernels) -> Flow:
     return Flow(y, cleared, flow.x)
 
 
-def _attend(q, kv_new, k_ref, v_ref, n, pos, start, BS: int) -> jax.Array:
-    """Head row n's attention output (float32 [K]) over cache positions [start, pos) and the new
-    key and value (`kv_new`, at pos: held here, not read back), as an online softmax over blocks of
-    BS positions. A block that would reach past the cache's S slots is read from S - BS instead
-    (no masked loads), the positions it had already covered masked out with those outside the span."""
+def _attend(q, kv_new, k_ref, v_ref, n, at_ref, BS: int) -> jax.Array:
+    """Head row n's attention output (float32 [K]) over the cache's tokens lo..index-1 and the new
+    key and value (`kv_new`, token `index` at slot pos: held here, not read back), as an online
+    softmax over blocks of BS slots (`at_ref`: `_positions`). Slot p holds token index - (pos - p)
+    mod S, as in the model's ring (`gpt.model.cache_positions`): before the cache wraps, the slots
+    lo..pos-1; after, any slot but pos. A block that would reach past the cache's S slots is read
+    from S - BS instead (no masked loads), the slots it had already covered masked out."""
+    pos, index, lo = at_ref[0], at_ref[1], at_ref[2]
     k_new, v_new = kv_new
     qs = q * (1.0 / math.sqrt(q.shape[0]))
     carry = (jnp.sum(qs * k_new), jnp.float32(1.0), v_new)  # running max, sum of exp, weighted values
-    S, first = k_ref.shape[-1], start // BS
+    S = k_ref.shape[-1]
+    wrapped = index >= S
+    first = jnp.where(wrapped, 0, lo // BS)
+    last = jnp.where(wrapped, (S + BS - 1) // BS, (pos + BS - 1) // BS)
 
     def block(i, carry):
         m, l, acc = carry
@@ -238,15 +255,16 @@ def _attend(q, kv_new, k_ref, v_ref, n, pos, start, BS: int) -> jax.Array:
         span = pl.ds(at, BS)
         k_KS, v_SK = k_ref[n, :, span], v_ref[n, span, :]  # both loads before a reduction (`_tiles`)
         p_S = at + jnp.arange(BS)
-        valid = (p_S >= jnp.maximum(i * BS, start)) & (p_S < pos)  # past pos the cache may hold anything
+        held_S = index - (pos - p_S + S) % S  # the token each slot holds
+        valid = (p_S >= i * BS) & (p_S != pos) & (held_S >= lo)  # other slots may hold anything
         s = jnp.where(valid, jnp.sum(k_KS.astype(F32) * qs[:, None], axis=0), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s))
         e, fix = jnp.exp(s - m_new), jnp.exp(m - m_new)
         v_SK = jnp.where(valid[:, None], v_SK.astype(F32), 0.0)
-        acc = acc * fix + jnp.sum(_round(e, v_ref.dtype)[:, None] * v_SK, axis=0)
+        acc = acc * fix + jnp.sum(round_to(e, v_ref.dtype)[:, None] * v_SK, axis=0)
         return m_new, l * fix + jnp.sum(e), acc
 
-    _, l, acc = jax.lax.fori_loop(first, (pos + BS - 1) // BS, block, carry)
+    _, l, acc = jax.lax.fori_loop(first, last, block, carry)
     return acc / l
 
 
@@ -258,24 +276,26 @@ def _write_kv(k_ref, v_ref, n, pos, k_new, v_new) -> None:
 def _attention_kernel(at_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, wo_ref, bo_ref, _k, _v, _zero, _spare,
                       o_ref, k_ref, v_ref, cleared_ref, *, k: Kernels, head0: int):
     """Program h: head h's q, k, v; k and v into the cache at pos; attention; its output rows."""
-    h, pos, start = pl.program_id(0), at_ref[0], at_ref[1]
+    h, pos = pl.program_id(0), at_ref[0]
     kd, d = k_ref.shape[1], x_ref.shape[0]
     rows = [pl.ds(i * d + h * kd, kd) for i in range(3)]  # head h's rows of q, k and v
     w_q = _tiles(wqkv_ref, rows[0], k.BK)  # before the norm's reductions; k's and v's after (registers)
     hs = _normed_chunks(x_ref, s_ref, b_ref, k)
-    q = _round(bqkv_ref[rows[0]] + _rows_times(w_q, hs), k.dtype)
-    k_new, v_new = (_round(bqkv_ref[r] + _rows_times(_tiles(wqkv_ref, r, k.BK), hs), k_ref.dtype)
+    q = round_to(bqkv_ref[rows[0]] + _rows_times(w_q, hs, k), k.dtype)
+    k_new, v_new = (round_to(bqkv_ref[r] + _rows_times(_tiles(wqkv_ref, r, k.BK), hs, k), k_ref.dtype)
                     for r in rows[1:])
     _write_kv(k_ref, v_ref, head0 + h, pos, k_new, v_new)
-    y = _round(_attend(q, (k_new, v_new), k_ref, v_ref, head0 + h, pos, start, k.BS), k.dtype)
-    _add_rows_times(o_ref, y, _tiles(wo_ref, pl.ds(h * kd, kd), k.BK), k.BK, None)
+    y = round_to(_attend(q, (k_new, v_new), k_ref, v_ref, head0 + h, at_ref, k.BS), k.dtype)
+    _add_rows_times(o_ref, y, _tiles(wo_ref, pl.ds(h * kd, kd), k.BK), k, None)
     _add_residual(o_ref, cleared_ref, x_ref, bo_ref, k.BK)
 
 
-def _positions(pos, start) -> jax.Array:
-    """[pos, start] as the attention kernels take them (the same array for every layer: one
-    fusion a step; each layer's head0 is compiled in, as a run-time entry it made one a layer)."""
-    return jnp.stack([jnp.asarray(pos, jnp.int32), jnp.asarray(start, jnp.int32)])
+def _positions(index, lo, slots: int) -> jax.Array:
+    """[pos, index, lo] as the attention kernels take them: the new token's slot index mod S, its
+    number, and the first token it attends to. The same array for every layer (one fusion a step;
+    each layer's head0 is compiled in, as a run-time entry it made one kernel more a layer)."""
+    index = jnp.asarray(index, jnp.int32)
+    return jnp.stack([index % slots, index, jnp.maximum(jnp.asarray(lo, jnp.int32), 0)])
 
 
 def _check_attention(flow: Flow, p: AttentionParams, k_NKS, v_NSK, heads: int, k: Kernels) -> None:
@@ -286,16 +306,18 @@ def _check_attention(flow: Flow, p: AttentionParams, k_NKS, v_NSK, heads: int, k
         (d, kd, s, k)
 
 
-def attention_block(flow: Flow, p: AttentionParams, k_NKS, v_NSK, pos, start, k: Kernels, head0: int = 0
+def attention_block(flow: Flow, p: AttentionParams, k_NKS, v_NSK, index, lo, k: Kernels, head0: int = 0
                     ) -> tuple[Flow, jax.Array, jax.Array]:
-    """The attention block at cache position pos (`k.attention`: one kernel, or `split_attention`),
-    adding into the flow's zeros; heads head0.. of the cache written in place at pos, attending
-    over [start, pos]. The block's H heads: x's width over the cache's head dim."""
+    """The attention block of token number `index` (`k.attention`: one kernel, or
+    `split_attention`), adding into the flow's zeros: its key and value written in place into
+    heads head0.. of the cache at slot index mod S, and it attends to itself and the tokens lo..
+    index-1 that the cache still holds (a ring of S slots, as the model's). The block's H heads:
+    x's width over the cache's head dim."""
     heads = flow.x.shape[0] // k_NKS.shape[1]
     _check_attention(flow, p, k_NKS, v_NSK, heads, k)
     if k.attention == "split":
-        return split_attention(flow, p, k_NKS, v_NSK, pos, start, k, head0)
-    args = (_positions(pos, start), flow.x, *p, k_NKS, v_NSK, flow.zero, flow.spare)
+        return split_attention(flow, p, k_NKS, v_NSK, index, lo, k, head0)
+    args = (_positions(index, lo, k_NKS.shape[-1]), flow.x, *p, k_NKS, v_NSK, flow.zero, flow.spare)
     vec = jax.ShapeDtypeStruct(flow.x.shape, F32)
     cache = (jax.ShapeDtypeStruct(k_NKS.shape, k_NKS.dtype), jax.ShapeDtypeStruct(v_NSK.shape, v_NSK.dtype))
     out = (vec, *cache, vec)
@@ -314,13 +336,13 @@ def _qkv_kernel(at_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, _k, _v, q_ref, 
     kd, d = k_ref.shape[1], x_ref.shape[0]
     rows = pl.ds(r * k.BQ, k.BQ)
     w = _tiles(wqkv_ref, rows, k.BK)
-    y = bqkv_ref[rows] + _rows_times(w, _normed_chunks(x_ref, s_ref, b_ref, k))
+    y = bqkv_ref[rows] + _rows_times(w, _normed_chunks(x_ref, s_ref, b_ref, k), k)
     part, row = r * k.BQ // d, r * k.BQ % d  # which of q, k and v; its row
     n, within = head0 + row // kd, pl.ds(row % kd, k.BQ)
 
     @pl.when(part == 0)
     def _():
-        q_ref[rows] = _round(y, k.dtype)
+        q_ref[rows] = round_to(y, k.dtype)
 
     @pl.when(part == 1)
     def _():
@@ -336,23 +358,23 @@ def _head_kernel(at_ref, x_ref, q_ref, k_ref, v_ref, wo_ref, bo_ref, _zero, _spa
     """Program h: head h's attention over the cache up to pos (written by `_qkv_kernel`) and its
     rows of the output product, added into the flow's zeros; those rows loaded before the cache's
     (`early`: their wait overlaps the attention's, for more registers) or after."""
-    h, pos, start = pl.program_id(0), at_ref[0], at_ref[1]
+    h, pos = pl.program_id(0), at_ref[0]
     kd, n = k_ref.shape[1], head0 + h
     w_o = _tiles(wo_ref, pl.ds(h * kd, kd), k.BK) if k.early else None
     kv_new = (k_ref[n, :, pos].astype(F32), v_ref[n, pos, :].astype(F32))
-    y = _round(_attend(q_ref[pl.ds(h * kd, kd)], kv_new, k_ref, v_ref, n, pos, start, k.BS), k.dtype)
+    y = round_to(_attend(q_ref[pl.ds(h * kd, kd)], kv_new, k_ref, v_ref, n, at_ref, k.BS), k.dtype)
     if w_o is None:
         w_o = _tiles(wo_ref, pl.ds(h * kd, kd), k.BK)
-    _add_rows_times(o_ref, y, w_o, k.BK, None)
+    _add_rows_times(o_ref, y, w_o, k, None)
     _add_residual(o_ref, cleared_ref, x_ref, bo_ref, k.BK)
 
 
-def split_attention(flow: Flow, p: AttentionParams, k_NKS, v_NSK, pos, start, k: Kernels, head0: int = 0
+def split_attention(flow: Flow, p: AttentionParams, k_NKS, v_NSK, index, lo, k: Kernels, head0: int = 0
                     ) -> tuple[Flow, jax.Array, jax.Array]:
     """The block as two kernels: q, k and v over 3D / BQ programs (the cache written in place),
     then one program a head for the attention and the output rows."""
     d, heads = flow.x.shape[0], flow.x.shape[0] // k_NKS.shape[1]
-    at = _positions(pos, start)
+    at = _positions(index, lo, k_NKS.shape[-1])
     cache = (jax.ShapeDtypeStruct(k_NKS.shape, k_NKS.dtype), jax.ShapeDtypeStruct(v_NSK.shape, v_NSK.dtype))
     vec = jax.ShapeDtypeStruct((d,), F32)
     q_D, k_NKS, v_NSK = _call(
@@ -364,3 +386,37 @@ def split_attention(flow: Flow, p: AttentionParams, k_NKS, v_NSK, pos, start, k:
         grid=(heads,), input_output_aliases={7: 0, 8: 1})(
         at, flow.x, q_D, k_NKS, v_NSK, p.w_o, p.b_o, flow.zero, flow.spare)
     return Flow(y, cleared, flow.x), k_NKS, v_NSK
+
+
+# The blocks in float64 from the same weights, with no intermediate rounding: the references the
+# kernels are checked against (tests/ops/test_decode_kernels.py, bench/decode_layer.py).
+
+def _f64(a) -> np.ndarray:
+    return np.asarray(a, np.float64)
+
+
+def _ln64(x: np.ndarray, p: MLPParams | AttentionParams, eps: float) -> np.ndarray:
+    return (x - x.mean()) / np.sqrt(x.var() + eps) * _f64(p.scale) + _f64(p.bias)
+
+
+def reference_mlp(x_D, p: MLPParams, eps: float = 1e-5) -> np.ndarray:
+    x = _f64(x_D)
+    a = _f64(p.w_fc) @ _ln64(x, p, eps) + _f64(p.b_fc)
+    g = 0.5 * a * (1.0 + np.tanh(GELU_C * (a + 0.044715 * a ** 3)))
+    return x + g @ _f64(p.w_proj) + _f64(p.b_proj)
+
+
+def reference_attention(x_D, p: AttentionParams, k_HKS, v_HSK, index: int, lo: int = 0, eps: float = 1e-5
+                        ) -> np.ndarray:
+    """As `attention_block` for one layer's cache (keys [H, K, S], values [H, S, K]): the tokens it
+    holds as held, the new one's key and value unrounded."""
+    (h, kd, S), x = k_HKS.shape, _f64(x_D)
+    q, k, v = (_f64(p.w_qkv) @ _ln64(x, p, eps) + _f64(p.b_qkv)).reshape(3, h, kd)
+    pos = index % S
+    keys, values = _f64(k_HKS).copy(), _f64(v_HSK).copy()
+    keys[:, :, pos], values[:, pos] = k, v
+    seen = index - (pos - np.arange(S)) % S >= max(lo, 0)  # the slots holding tokens lo..index
+    s = np.einsum("hk,hks->hs", q, keys[:, :, seen]) / math.sqrt(kd)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    y = np.einsum("hs,hsk->hk", e / e.sum(-1, keepdims=True), values[:, seen]).reshape(-1)
+    return x + y @ _f64(p.w_o) + _f64(p.b_o)

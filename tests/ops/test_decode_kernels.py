@@ -1,8 +1,7 @@
-"""gpt/ops/decode_kernels.py in Pallas's interpreter: each block against float64 from the same
-weights, over a model-shaped cache (several layers' heads as rows) whose slots are not a multiple
-of the block of positions, with a left-padded start. Their speed is a GPU's (bench/decode_layer.py)."""
-import math
-
+"""gpt/ops/decode_kernels.py against its float64 references from the same weights, in Pallas's
+interpreter (and, marked `gpu`, as Triton kernels on a GPU: `pytest -m gpu`), over a model-shaped
+cache (several layers' heads as rows) whose slots are not a multiple of the block of positions:
+a left-padded start, a window, a ring that has wrapped. Their speed is a GPU's (bench/decode_layer.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,52 +11,29 @@ from gpt.ops import decode_kernels as dk
 
 D, F, H, S = 64, 256, 4, 40  # K = 16; S = 40 is not a multiple of BS = 16
 K = D // H
-KERNELS = dk.Kernels(BF=16, BK=32, BQ=8, BS=16, interpret=True)
+KERNELS = dk.Kernels(BF=16, BK=32, BQ=8, BS=16)
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
+WHERE = [pytest.param(True, id="interpreter"), pytest.param(False, id="triton", marks=ON_GPU)]
 
 
-def _params(key, cls, shapes):
+def _params(key, cls, shapes, dtype="float32"):
     ks = jax.random.split(key, len(shapes))
-    return cls(*(1.0 + 0.1 * jax.random.normal(k, s) if i == 0 else 0.3 * jax.random.normal(k, s)
+    return cls(*((1.0 + 0.1 * jax.random.normal(k, s)) if i == 0 else
+                 (0.3 * jax.random.normal(k, s)).astype(dtype if len(s) == 2 else "float32")
                  for i, (k, s) in enumerate(zip(ks, shapes))))
-
-
-def _ln64(x, p):
-    return (x - x.mean()) / np.sqrt(x.var() + 1e-5) * np.float64(p.scale) + np.float64(p.bias)
-
-
-def _f64(p):
-    return type(p)(*(np.asarray(a, np.float64) for a in p))
-
-
-def reference_mlp(x, p):
-    p = _f64(p)
-    a = p.w_fc @ _ln64(x, p) + p.b_fc
-    return x + np.asarray(dk.gelu(jnp.asarray(a)), np.float64) @ p.w_proj + p.b_proj
-
-
-def reference_attention(x, p, keys_KS, values_SK, pos, start):
-    """One layer's block in float64: keys [H, K, S] and values [H, S, K] as held, the new
-    position's unrounded; attending over [start, pos]."""
-    p = _f64(p)
-    q, k, v = (p.w_qkv @ _ln64(x, p) + p.b_qkv).reshape(3, H, K)
-    keys, values = np.array(keys_KS, np.float64), np.array(values_SK, np.float64)
-    keys[:, :, pos], values[:, pos] = k, v
-    s = np.einsum("hk,hks->hs", q, keys[:, :, start:pos + 1]) / math.sqrt(K)
-    e = np.exp(s - s.max(-1, keepdims=True))
-    y = np.einsum("hs,hsk->hk", e / e.sum(-1, keepdims=True), values[:, start:pos + 1]).reshape(-1)
-    return x + y @ p.w_o + p.b_o
 
 
 def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.parametrize("interpret", WHERE)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mlp_block_matches_float64(dtype):
+def test_mlp_block_matches_float64(dtype, interpret):
     x = jax.random.normal(jax.random.key(0), (D,))
-    p = _params(jax.random.key(1), dk.MLPParams, [(D,), (D,), (F, D), (F,), (F, D), (D,)])
-    k = KERNELS._replace(dtype=dtype)
-    want = reference_mlp(np.asarray(x, np.float64), p) - np.asarray(x)
+    p = _params(jax.random.key(1), dk.MLPParams, [(D,), (D,), (F, D), (F,), (F, D), (D,)], dtype)
+    k = KERNELS._replace(dtype=dtype, interpret=interpret)
+    want = dk.reference_mlp(x, p) - np.asarray(x)
     flow = dk.Flow(x, jnp.zeros(D), jnp.ones(D))  # a spare buffer that is not zeros: cleared
     out = jax.jit(lambda f: dk.mlp_block(f, p, k))(flow)
     rows = jax.jit(lambda x: dk.mlp_rows(x, p, k))(x)
@@ -67,32 +43,85 @@ def test_mlp_block_matches_float64(dtype):
     assert not np.any(np.asarray(out.zero)) and np.array_equal(out.spare, x)  # the rotation (`Flow`)
 
 
+def _cache(key, index: int, lo: int):
+    """A two-layer cache (8 rows of heads), NaN in every slot of layer 1 that token `index` must
+    not see (tokens before lo, slots never written): a read of one would show."""
+    keys = jax.random.normal(key, (2 * H, K, S))
+    values = jax.random.normal(jax.random.fold_in(key, 1), (2 * H, S, K))
+    pos = index % S
+    held = index - (pos - np.arange(S)) % S
+    unseen_S = jnp.asarray((held < max(lo, 0)) & (np.arange(S) != pos))
+    unseen = unseen_S & (jnp.arange(2 * H) >= H)[:, None, None]
+    return jnp.where(unseen, jnp.nan, keys), jnp.where(jnp.swapaxes(unseen, 1, 2), jnp.nan, values)
+
+
+@pytest.mark.parametrize("interpret", WHERE)
 @pytest.mark.parametrize("form", ["one", "split"])
-@pytest.mark.parametrize("pos,start", [(37, 0), (20, 5), (0, 0), (39, 33), (15, 15)])
-def test_attention_block_matches_float64(form, pos, start):
-    """Layer 1 of a two-layer cache (rows 4-7 of 8): its keys and values at pos are written, no
-    other entry changes (layer 0's included), and the output attends over [start, pos] only,
-    whatever the other slots hold (NaN there included)."""
-    kx, kp, kc = jax.random.split(jax.random.key(pos * 100 + start), 3)
+@pytest.mark.parametrize("index,lo", [(37, 0), (20, 5), (0, 0), (39, 33), (15, 15), (7, -3),  # unwrapped
+                                      (45, 10), (85, 50), (41, 0)])  # a ring past S: window, start
+def test_attention_block_matches_float64(form, index, lo, interpret):
+    """Layer 1 of the two-layer cache (rows 4-7): token `index` written at slot index mod S and
+    nowhere else (layer 0 untouched), attending to itself and tokens lo..index-1 as the cache holds
+    them, whatever the other slots hold."""
+    kx, kp, kc = jax.random.split(jax.random.key(index * 100 + lo), 3)
     x = jax.random.normal(kx, (D,))
     p = _params(kp, dk.AttentionParams, [(D,), (D,), (3 * D, D), (3 * D,), (D, D), (D,)])
-    keys = jax.random.normal(kc, (2 * H, K, S))
-    values = jax.random.normal(jax.random.fold_in(kc, 1), (2 * H, S, K))
-    outside = (jnp.arange(S) < start) | (jnp.arange(S) > pos)
-    keys, values = jnp.where(outside, jnp.nan, keys), jnp.where(outside[:, None], jnp.nan, values)
-    k = KERNELS._replace(attention=form, dtype="float32")
-    run = jax.jit(lambda f, kk, vv: dk.attention_block(f, p, kk, vv, jnp.int32(pos), jnp.int32(start), k, H))
+    keys, values = _cache(kc, index, lo)
+    k = KERNELS._replace(attention=form, dtype="float32", interpret=interpret)
+    run = jax.jit(lambda f, kk, vv: dk.attention_block(f, p, kk, vv, jnp.int32(index), jnp.int32(lo), k, H))
     out, new_k, new_v = run(dk.Flow(x, jnp.zeros(D), jnp.ones(D)), keys, values)
-    x64 = np.asarray(x, np.float64)
-    want = reference_attention(x64, p, keys[H:], values[H:], pos, start) - x64
+    x64, pos = np.asarray(x, np.float64), index % S
+    want = dk.reference_attention(x, p, keys[H:], values[H:], index, lo) - x64
     assert _rel(np.asarray(out.x, np.float64) - x64, want) < 1e-5, form
     assert not np.any(np.asarray(out.zero))
     for new, old, axis in ((new_k, keys, 2), (new_v, values, 1)):
         np.testing.assert_array_equal(*(np.delete(np.asarray(a), pos, axis) for a in (new, old)))
-    qkv = np.asarray(p.w_qkv, np.float64) @ _ln64(x64, _f64(p)) + np.asarray(p.b_qkv, np.float64)
-    np.testing.assert_allclose(np.asarray(new_k)[H:, :, pos], qkv[D:2 * D].reshape(H, K), rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_allclose(np.asarray(new_v)[H:, pos], qkv[2 * D:].reshape(H, K), rtol=1e-5, atol=1e-5)
+    p64 = [np.asarray(a, np.float64) for a in p]
+    xn = (x64 - x64.mean()) / np.sqrt(x64.var() + 1e-5) * p64[0] + p64[1]
+    qkv = p64[2] @ xn + p64[3]
+    written = (np.asarray(new_k)[H:, :, pos], np.asarray(new_v)[H:, pos])  # this token's, per head
+    for new, want in zip(written, (qkv[D:2 * D], qkv[2 * D:])):
+        np.testing.assert_allclose(new, want.reshape(H, K), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interpret", WHERE)
+@pytest.mark.parametrize("form", ["one", "split"])
+def test_attention_block_in_bf16(form, interpret):
+    """bf16 weights and cache, as the sampler holds them on a GPU: bf16's precision against
+    float64, the key and value written rounded to the cache's dtype."""
+    kx, kp, kc = jax.random.split(jax.random.key(9), 3)
+    x = jax.random.normal(kx, (D,))
+    p = _params(kp, dk.AttentionParams, [(D,), (D,), (3 * D, D), (3 * D,), (D, D), (D,)], "bfloat16")
+    keys, values = (a.astype(jnp.bfloat16) for a in _cache(kc, 30, 0))
+    k = KERNELS._replace(attention=form, interpret=interpret)
+    block = lambda f: dk.attention_block(f, p, keys, values, jnp.int32(30), jnp.int32(0), k, H)  # noqa: E731
+    out, new_k, _ = jax.jit(block)(dk.Flow(x, jnp.zeros(D), jnp.zeros(D)))
+    x64 = np.asarray(x, np.float64)
+    want = dk.reference_attention(x, p, keys[H:], values[H:], 30, 0) - x64
+    assert _rel(np.asarray(out.x, np.float64) - x64, want) < 2e-2 and new_k.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("d,h", [(768, 12), (1024, 16)], ids=["gpt2", "gpt2-medium"])
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_blocks_at_gpt2_widths_on_gpu(d, h):
+    """The Triton kernels at GPT-2's and GPT-2 medium's widths with the sampler's defaults
+    (`Kernels()` fitted), bf16: they compile and run there, and match float64."""
+    kd, f, s = d // h, 4 * d, 272
+    k = dk.fit(dk.Kernels(), d, f, kd, s)
+    x = jax.random.normal(jax.random.key(0), (d,))
+    pm = _params(jax.random.key(1), dk.MLPParams, [(d,), (d,), (f, d), (f,), (f, d), (d,)], "bfloat16")
+    pa = _params(jax.random.key(2), dk.AttentionParams, [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,)],
+                 "bfloat16")
+    keys = jax.random.normal(jax.random.key(3), (h, kd, s)).astype(jnp.bfloat16)
+    values = jax.random.normal(jax.random.key(4), (h, s, kd)).astype(jnp.bfloat16)
+    flow = dk.Flow(x, jnp.zeros(d), jnp.zeros(d))
+    mlp = jax.jit(lambda f: dk.mlp_block(f, pm, k))(flow)
+    att, _, _ = jax.jit(lambda f: dk.attention_block(f, pa, keys, values, 200, 0, k))(flow)
+    x64 = np.asarray(x, np.float64)
+    assert _rel(np.asarray(mlp.x, np.float64) - x64, dk.reference_mlp(x, pm) - x64) < 2e-2
+    want = dk.reference_attention(x, pa, keys, values, 200) - x64
+    assert _rel(np.asarray(att.x, np.float64) - x64, want) < 2e-2
 
 
 def test_fit_shrinks_blocks_to_a_model():
@@ -100,3 +129,5 @@ def test_fit_shrinks_blocks_to_a_model():
     assert (k.BK, k.BF, k.BQ, k.BS) == (256, 16, 16, 256)
     k = dk.fit(dk.Kernels(), d=96, f=384, head_dim=8, slots=5)
     assert (k.BK, k.BF, k.BQ, k.BS) == (32, 16, 8, 4)
+    # the MLP's two weights loaded first only where they fit a thread's registers (ptxas, offline)
+    assert [dk.fit(dk.Kernels(), d, 4 * d, 64, 1024).early for d in (768, 1280, 2048)] == [True, True, False]
