@@ -298,8 +298,7 @@ def part_kernels(r: Runner, sz: dict) -> dict:
     the tool's JSON (its values' errors and, on a GPU, its timings) with its exit status (1: a
     variant's values were off)."""
     rc, text, _ = r.run(sample_cmd(sz, "1") + ["--decode_kernels"])
-    rows = {"sampler": last_json(text) if rc == 0 else None}
-    rows["sampler"] = rows["sampler"] or {"error": why_failed(rc, text)}
+    rows = {"sampler": (last_json(text) if rc == 0 else None) or {"error": why_failed(rc, text)}}
     r.save("kernels", rows)
     for tool in ("decode_layer", "topk", "matvec"):
         rc, text, _ = r.run([sys.executable, f"bench/{tool}.py", *sz["kernels"]])

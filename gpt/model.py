@@ -634,9 +634,9 @@ class GPT(nnx.Module):
         to the tokens `cache_positions` masks in (from the row's start, within the window), then
         its MLP block. The stream between the blocks is float32 (a `Flow`; a bf16 stream,
         `Runtime.residual`, is rounded after the last layer only), and each block adds its
-        float32 output where XLA's layers round it to `matmul_out` first: the kernels' logits
-        are nearer float32's (BENCHMARKS.md). The cache's layer, batch and head axes are one axis
-        of rows: layer l's heads are rows l H to (l + 1) H."""
+        float32 output where XLA's layers round it to `matmul_out` first: bf16 rounding in other
+        places, about as far from float32 (BENCHMARKS.md). The cache's layer, batch and head axes
+        are one axis of rows: layer l's heads are rows l H to (l + 1) H."""
         cfg, rt = self.cfg, self.rt
         L, _, H, K, S = cache.k_LBGKS.shape
         k = dk.fit(dk.Kernels(eps=cfg.norm_eps, dtype=jnp.dtype(rt.dtype).name,
@@ -670,7 +670,7 @@ def decode_kernels_problem(cfg: ModelConfig) -> str | None:
         (bool(cfg.n_expert), "a mixture of experts"),
         (K & (K - 1) != 0 or K * cfg.n_head != cfg.n_embd,
          f"heads {K} wide ({cfg.n_head} of them, n_embd {cfg.n_embd})"),
-        (cfg.n_embd // dk.fit(dk.Kernels(), cfg.n_embd, cfg.ffn, K, 1).BK > dk.MAX_TILES,
+        (dk.row_tiles(cfg.n_embd) > dk.MAX_TILES,
          f"n_embd {cfg.n_embd}, read in more than {dk.MAX_TILES} tiles of a power of two"),
     ]
     return next((what for bad, what in problems if bad), None)

@@ -10,9 +10,10 @@ of the bandwidth bound. Here each block of a layer reads its weights once, in fe
   multiplies by its BF rows of proj's weight held [F, D] ([in, out]: both contiguous rows, each
   weight read once in all) and adds the result into the output atomically (`mlp_block`), or writes
   a partial row that XLA sums after (`mlp_rows`, one more kernel).
-- the attention block, x + out(attention(qkv(LayerNorm(x)), cache)) at cache position pos: one
+- the attention block, x + out(attention(qkv(LayerNorm(x)), cache)) of token `index`: one
   program a head (`attention_block`: its q, k and v rows of the qkv weight [3D, D], k and v into
-  the cache, attention over the positions [start, pos] as an online softmax, its rows of the output
+  the cache at slot index mod S, attention over the tokens lo..index that the cache's ring of S
+  slots holds, as an online softmax, its rows of the output
   weight [D, D] ([in, out]) added into the output), or in two kernels (`split_attention`): q, k and
   v over 3D / BQ programs, then a program a head. H programs (12 of an H200's 132 SMs) read the
   one-kernel block's qkv weight, the split block's q/k/v kernel spreads it over more.
@@ -66,9 +67,10 @@ class Flow(NamedTuple):
     """The residual stream x [D] (float32) and two [D] buffers of zeros. A one-kernel block's
     programs add their parts into `zero` (program 0 adds x and the bias); program 0 also clears
     `spare`, the x of the block before last, which becomes the next block's `zero`. Three buffers
-    in rotation: no kernel, copy or memset makes zeros between blocks, as long as a loop's body
-    runs a multiple of 3 such blocks (else XLA copies the buffers back to their places: correct,
-    a few kernels slower). Other blocks leave the two buffers alone."""
+    in rotation: no kernel, copy or memset makes zeros between blocks. (A loop whose body runs
+    blocks on one flow carried from step to step, as bench/decode_layer.py's chains do, must run a
+    multiple of 3 of them, or XLA copies the buffers back to their places; the model starts a
+    flow each step, `start_flow`.) Other blocks leave the two buffers alone."""
     x: jax.Array
     zero: jax.Array
     spare: jax.Array
@@ -109,10 +111,16 @@ MAX_TILES = 8  # row tiles (d / BK) a kernel reads: 25 (GPT-2 XL's 1600 in tiles
 EARLY_BYTES = 640  # the MLP's weight bytes a thread may hold `early`: GPT-2 to 1280 wide (ptxas, offline)
 
 
+def row_tiles(d: int, BK: int = Kernels().BK) -> int:
+    """The tiles of a power of two (at most BK) that a row of d entries is read in."""
+    return d // _pow2_divisor(d, BK)
+
+
 def fit(k: Kernels, d: int, f: int, head_dim: int, slots: int) -> Kernels:
     """`k` with its block sizes shrunk to divide a model's width d, hidden width f and head dim
     (a power of two), BS to fit a cache of `slots` positions, and the MLP's weights loaded
-    `early` only where they fit in registers (EARLY_BYTES)."""
+    `early` only where they fit in registers (EARLY_BYTES; the flag also has the per-head
+    attention kernel load its output rows before the cache, a smaller load)."""
     k = k._replace(BK=_pow2_divisor(d, k.BK), BF=_pow2_divisor(f, k.BF), BQ=_pow2_divisor(head_dim, k.BQ),
                    BS=min(k.BS, 1 << (slots.bit_length() - 1)))
     per_thread = 2 * k.BF * d * jnp.dtype(k.dtype).itemsize // (32 * k.mlp_warps)
@@ -239,7 +247,8 @@ def _attend(q, kv_new, k_ref, v_ref, n, at_ref, BS: int) -> jax.Array:
     softmax over blocks of BS slots (`at_ref`: `_positions`). Slot p holds token index - (pos - p)
     mod S, as in the model's ring (`gpt.model.cache_positions`): before the cache wraps, the slots
     lo..pos-1; after, any slot but pos. A block that would reach past the cache's S slots is read
-    from S - BS instead (no masked loads), the slots it had already covered masked out."""
+    from S - BS instead (no masked loads), the slots it had already covered masked out. (A start
+    past index, which no row has, would leave the new token alone here and nothing in the model.)"""
     pos, index, lo = at_ref[0], at_ref[1], at_ref[2]
     k_new, v_new = kv_new
     qs = q * (1.0 / math.sqrt(q.shape[0]))
@@ -355,7 +364,8 @@ def _qkv_kernel(at_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, _k, _v, q_ref, 
 
 def _head_kernel(at_ref, x_ref, q_ref, k_ref, v_ref, wo_ref, bo_ref, _zero, _spare, o_ref, cleared_ref, *,
                  k: Kernels, head0: int):
-    """Program h: head h's attention over the cache up to pos (written by `_qkv_kernel`) and its
+    """Program h: head h's attention over the cache (this token's key and value written by
+    `_qkv_kernel`) and its
     rows of the output product, added into the flow's zeros; those rows loaded before the cache's
     (`early`: their wait overlaps the attention's, for more registers) or after."""
     h, pos = pl.program_id(0), at_ref[0]
