@@ -171,9 +171,10 @@ def log_message(line: str) -> str:
 
 def part_tests(r: Runner, sz: dict) -> dict:
     # addopts emptied: the project's own (-n 2, pytest-xdist) would run two processes on one GPU, and
-    # the device image need not have xdist
+    # the device image need not have xdist. Every module's GPU checks (tests/test_gpu.py's, and the
+    # kernels' own beside their CPU tests: tests/ops/test_decode_kernels.py)
     rc, text, sec = r.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu",
-                           "-p", "no:cacheprovider", "tests/test_gpu.py"])
+                           "-p", "no:cacheprovider", "tests"])
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text)}
     res = {"exit": rc, "seconds": sec, **counts, "failures": re.findall(r"^FAILED (.*)$", text, flags=re.M)}
     if counts.get("skipped") and r.results.get("device", "").startswith("gpu"):
