@@ -341,15 +341,16 @@ def test_decode_layer_timing_paths_run_on_cpu(monkeypatch):
 
 
 def test_topk_in_two_stages_is_exactly_lax_top_k(monkeypatch):
-    """bench/topk.py's two-stage top-k returns lax.top_k's values and indices, ties included (at
-    the top, across chunks and at the k-th place), also when the vocabulary is not a multiple of
-    the chunk; the check sees a variant that loses one of the tied entries."""
+    """bench/topk.py's two-stage and threshold top-k return lax.top_k's values and indices, ties
+    included (at the top, across chunks and at the k-th place), also when the vocabulary is not a
+    multiple of the chunk, and with more candidates than the threshold's cap (its fallback); the
+    check sees a variant that loses one of the tied entries."""
     import jax
     import jax.numpy as jnp
     from bench import topk
     for vocab in (50304, 50257):
         exact = topk.check(jax.random.key(1), 200, vocab)
-        assert len(exact) == 1 + len(topk.CHUNKS) and all(exact.values())
+        assert len(exact) == 1 + len(topk.CHUNKS) + len(topk.THRESHOLDS) and all(exact.values())
     broken = {"lax.top_k": lambda x: jax.lax.top_k(x, 200),
               "drops a tie": lambda x: jax.lax.top_k(x.at[7].set(-jnp.inf), 200)}  # 7 ties the largest
     us = topk.time_rows(jax.random.key(1), 200, 4096, 2, 1)  # the GPU's timing path, here on CPU
