@@ -627,7 +627,6 @@ class GPT(nnx.Module):
             cache = held[0]._replace(index=cache.index + x_BTD.shape[1])
         return x_BTD, cache, (jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None)
 
-
     def _kernel_layers(self, x_BTD, cache: KVCache) -> tuple[jax.Array, KVCache, None]:
         """`_layer_loop` for one row's step as the decoding kernels (gpt/ops/decode_kernels.py):
         each layer's attention block, its keys and values written at slot index mod S, attending

@@ -239,13 +239,13 @@ class Sampler:
 def with_decode_kernels(model: GPT, rows: int, speculative: bool, backend: str) -> GPT:
     """The model set to decode one row's tokens through the Pallas kernels of
     gpt/ops/decode_kernels.py (sample.py --decode_kernels), or a UserError saying why it cannot."""
-    problem = decode_kernels_problem(model.cfg)
+    lacks, problem = decode_kernels_problem(model.cfg), None
     if backend != "gpu":
         problem = f"needs an NVIDIA GPU (Triton kernels), and this run is on {backend}"
     elif rows != 1 or speculative:
         problem = "decodes one row, without a draft: use --num_samples=1 and no --draft_out_dir"
-    elif problem is not None:
-        problem = f"runs GPT-2's block only, and this model has {problem}"
+    elif lacks is not None:
+        problem = f"runs GPT-2's block only, and this model has {lacks}"
     if problem is not None:
         raise UserError(f"--decode_kernels {problem}; drop --decode_kernels")
     out = nnx.merge(*nnx.split(model))  # a twin sharing its arrays
