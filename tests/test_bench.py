@@ -759,6 +759,10 @@ def test_kernel_count_of_the_decode_loop_on_cpu(tmp_path):
     assert 0 < own <= out["kernels_per_token"] and out["inner_loops_of_unknown_length"] == 0
     assert f"{out['kernels_per_token']} kernels per token" in r.stdout
     assert len(r.stdout.strip().splitlines()) == 1 + own  # --list: one line per kernel of the body
+    # --decode_kernels: the layers as gpt/ops/decode_kernels.py's (here in Pallas's interpreter:
+    # its loops over the programs; on a GPU each kernel is one, BENCHMARKS.md); its products are not dots
+    _, kernels = _kernel_count(tmp_path, "--config=tiny", "--new_tokens=4", "--decode_kernels")
+    assert kernels["by_kind"].get("dot", 0) < out["by_kind"]["dot"]
 
 
 def test_kernel_count_of_a_training_step_on_cpu(tmp_path):
