@@ -13,15 +13,15 @@ of the bandwidth bound. Here each block of a layer reads its weights once, in fe
 - the attention block, x + out(attention(qkv(LayerNorm(x)), cache)) of token `index`: one
   program a head (`attention_block`: its q, k and v rows of the qkv weight [3D, D], k and v into
   the cache at slot index mod S, attention over the tokens lo..index that the cache's ring of S
-  slots holds, as an online softmax, its rows of the output
-  weight [D, D] ([in, out]) added into the output), or in two kernels (`split_attention`): q, k and
-  v over 3D / BQ programs, then a program a head. H programs (12 of an H200's 132 SMs) read the
-  one-kernel block's qkv weight, the split block's q/k/v kernel spreads it over more.
+  slots holds, as an online softmax, and its rows of the output weight [D, D] ([in, out]) added
+  into the output), or in two kernels (`split_attention`): q, k and v over 3D / BQ programs,
+  then a program a head. H programs (12 of an H200's 132 SMs) read the one-kernel block's qkv
+  weight; the split block's q/k/v kernel spreads it over more.
 
 A block's programs cannot order a residual add among themselves, so the stream moves as a `Flow`:
 each block adds into a buffer of zeros. Keys are read [N, K, S] and values [N, S, K] (the model's
-cache with its layer, batch and head axes flattened: `head0` is the layer's first head), written
-in place at `pos`. Products take inputs rounded to `dtype` (the sampler's compute dtype) and sum in
+cache with its layer, batch and head axes flattened: `head0` is the layer's first head), and the
+new token's written in place. Products take inputs rounded to `dtype` (the sampler's compute dtype) and sum in
 float32, as XLA's blocks do. Off a GPU the kernels run in Pallas's interpreter (`interpret`): their
 values are checked there, their speed only on a GPU (bench/decode_layer.py times the variants).
 """
