@@ -54,8 +54,9 @@ MLP_PALLAS = [(16, 256, 4, False, False), (16, 256, 4, False, True), (16, 256, 4
 # attention: (input columns per load, cache positions per block, warps)
 ATTENTION_PALLAS = [(256, 64, 8), (256, 128, 8), (256, 256, 8)]  # 4 warps spilled registers (ptxas)
 # the same in two kernels (`split_attention`): (q/k/v rows per program, columns, positions, warps,
-# the output rows loaded before the cache's)
-ATTENTION_SPLIT = [(32, 256, 128, 4, False), (16, 256, 256, 8, False), (16, 256, 256, 8, True)]
+# the output rows loaded before the cache's, programs a head taking parts of its output rows)
+ATTENTION_SPLIT = [(32, 256, 128, 4, False, 1), (16, 256, 256, 8, False, 1), (16, 256, 256, 8, True, 1),
+                   (16, 256, 256, 8, True, 3)]
 
 
 MLP, Attention = dk.MLPParams, dk.AttentionParams  # the kernels' parameters
@@ -147,7 +148,10 @@ def mlp_variants() -> dict[str, tuple[Callable, Callable]]:
 def _attention_block(k: dk.Kernels) -> Callable:
     """block(flow, p, keys, values, pos) -> (flow, keys, values): the kernels' block over one
     layer's cache, every position from 0 on."""
-    return lambda flow, p, keys, values, pos: dk.attention_block(flow, p, keys, values, pos, 0, k)
+    def block(flow, p, keys, values, pos):
+        parts = math.gcd(k.out_split, flow.x.shape[0] // k.BK)  # w_o's rows as they divide (tests: 1)
+        return dk.attention_block(flow, p, keys, values, pos, 0, k._replace(out_split=parts))
+    return block
 
 
 def attention_variants() -> dict[str, tuple[Callable, Callable]]:
@@ -156,10 +160,10 @@ def attention_variants() -> dict[str, tuple[Callable, Callable]]:
     for BK, BS, warps in ATTENTION_PALLAS:
         k = _kernels(BK=BK, BS=BS, attention_warps=warps, attention="one")
         out[f"pallas BK{BK} BS{BS} w{warps}"] = (lambda p: p, _attention_block(k))
-    for BQ, BK, BS, warps, early in ATTENTION_SPLIT:
-        k = _kernels(BQ=BQ, BK=BK, BS=BS, attention_warps=warps, early=early, attention="split")
+    for BQ, BK, BS, warps, early, parts in ATTENTION_SPLIT:
+        k = _kernels(BQ=BQ, BK=BK, BS=BS, attention_warps=warps, early=early, attention="split", out_split=parts)
         name = f"split BQ{BQ} BK{BK} BS{BS} w{warps}{' early' if early else ''}"
-        out[name] = (lambda p: p, _attention_block(k))
+        out[name + (f" out{parts}" if parts > 1 else "")] = (lambda p: p, _attention_block(k))
     return out
 
 

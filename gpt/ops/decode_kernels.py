@@ -96,6 +96,10 @@ class Kernels(NamedTuple):
     BQ: int = 16  # split attention: q/k/v rows per program
     BS: int = 256  # cache positions per block of the online softmax
     attention_warps: int = 8  # 4 spilled registers at GPT-2's sizes (ptxas)
+    # split attention: programs a head in its second kernel, each adding 1 / out_split of the head's
+    # output rows (each computing the head's attention: more programs read w_o, the cache is read
+    # out_split times); `fit` makes it divide the rows' tiles
+    out_split: int = 1
     early: bool = True
     eps: float = 1e-5  # LayerNorm's
     dtype: str = "bfloat16"  # the products' input dtype
@@ -124,7 +128,7 @@ def fit(k: Kernels, d: int, f: int, head_dim: int, slots: int) -> Kernels:
     k = k._replace(BK=_pow2_divisor(d, k.BK), BF=_pow2_divisor(f, k.BF), BQ=_pow2_divisor(head_dim, k.BQ),
                    BS=min(k.BS, 1 << (slots.bit_length() - 1)))
     per_thread = 2 * k.BF * d * jnp.dtype(k.dtype).itemsize // (32 * k.mlp_warps)
-    return k._replace(early=k.early and per_thread <= EARLY_BYTES)
+    return k._replace(early=k.early and per_thread <= EARLY_BYTES, out_split=math.gcd(k.out_split, d // k.BK))
 
 
 def gelu(a: jax.Array) -> jax.Array:
@@ -163,11 +167,13 @@ def _atomic_add(ref, idx, value) -> None:
     plt.atomic_add(ref, idx, value)
 
 
-def _tiles(w_ref, rows: pl.Slice, BK: int) -> list[jax.Array]:
-    """w[rows] loaded as tiles of BK columns, all before any is used: Triton emits the loads in
-    this order, and a load issued after a cross-warp reduction (a barrier) waits for it, so loading
-    a tile just before its product exposes the memory's latency once per tile (the PTX showed it)."""
-    return [w_ref[rows, pl.ds(c * BK, BK)] for c in range(w_ref.shape[1] // BK)]
+def _tiles(w_ref, rows: pl.Slice, BK: int, first=0, count: int | None = None) -> list[jax.Array]:
+    """w[rows] loaded as tiles of BK columns (`count` of them from column `first`; by default the
+    whole rows), all before any is used: Triton emits the loads in this order, and a load issued
+    after a cross-warp reduction (a barrier) waits for it, so loading a tile just before its
+    product exposes the memory's latency once per tile (the PTX showed it)."""
+    count = w_ref.shape[1] // BK if count is None else count
+    return [w_ref[rows, pl.ds(first + c * BK, BK)] for c in range(count)]
 
 
 def _rows_times(tiles: list[jax.Array], hs: list[jax.Array], k: Kernels) -> jax.Array:
@@ -176,11 +182,12 @@ def _rows_times(tiles: list[jax.Array], hs: list[jax.Array], k: Kernels) -> jax.
     return sum(jnp.sum(round_to(t, k.dtype) * h[None, :], axis=1) for t, h in zip(tiles, hs, strict=True))
 
 
-def _add_rows_times(o_ref, v: jax.Array, tiles: list[jax.Array], k: Kernels, row: int | None) -> None:
-    """v @ w[rows] (float32 sums, w in `_tiles`) into o: added atomically (row None), or written as
-    row `row` of o."""
+def _add_rows_times(o_ref, v: jax.Array, tiles: list[jax.Array], k: Kernels, row: int | None,
+                    first=0) -> None:
+    """v @ w[rows] (float32 sums, w in `_tiles` from column `first`) into o: added atomically (row
+    None), or written as row `row` of o."""
     for c, t in enumerate(tiles):
-        cols = pl.ds(c * k.BK, k.BK)
+        cols = pl.ds(first + c * k.BK, k.BK)
         part = jnp.sum(v[:, None] * round_to(t, k.dtype), axis=0)
         if row is None:
             _atomic_add(o_ref, cols, part)
@@ -188,10 +195,10 @@ def _add_rows_times(o_ref, v: jax.Array, tiles: list[jax.Array], k: Kernels, row
             o_ref[row, cols] = part
 
 
-def _add_residual(o_ref, cleared_ref, x_ref, b_ref, BK: int) -> None:
-    """Program 0 adds x and the output bias into o (atomically: the other programs are adding) and
-    clears the flow's spare buffer (`Flow`)."""
-    @pl.when(pl.program_id(0) == 0)
+def _add_residual(o_ref, cleared_ref, x_ref, b_ref, BK: int, axes: int = 1) -> None:
+    """Program 0 (of a grid of `axes` axes) adds x and the output bias into o (atomically: the
+    other programs are adding) and clears the flow's spare buffer (`Flow`)."""
+    @pl.when(functools.reduce(jnp.logical_and, [pl.program_id(a) == 0 for a in range(axes)]))
     def _():
         for c in range(x_ref.shape[0] // BK):
             cols = pl.ds(c * BK, BK)
@@ -313,6 +320,7 @@ def _check_attention(flow: Flow, p: AttentionParams, k_NKS, v_NSK, heads: int, k
         (p.w_qkv.shape, k_NKS.shape)
     assert d % k.BK == 0 and kd % k.BQ == 0 and k.BS <= s and v_NSK.shape == (k_NKS.shape[0], s, kd), \
         (d, kd, s, k)
+    assert (d // k.BK) % k.out_split == 0, (d, k)
 
 
 def attention_block(flow: Flow, p: AttentionParams, k_NKS, v_NSK, index, lo, k: Kernels, head0: int = 0
@@ -364,25 +372,27 @@ def _qkv_kernel(at_ref, x_ref, s_ref, b_ref, wqkv_ref, bqkv_ref, _k, _v, q_ref, 
 
 def _head_kernel(at_ref, x_ref, q_ref, k_ref, v_ref, wo_ref, bo_ref, _zero, _spare, o_ref, cleared_ref, *,
                  k: Kernels, head0: int):
-    """Program h: head h's attention over the cache (this token's key and value written by
-    `_qkv_kernel`) and its
-    rows of the output product, added into the flow's zeros; those rows loaded before the cache's
-    (`early`: their wait overlaps the attention's, for more registers) or after."""
+    """Program (h, c): head h's attention over the cache (this token's key and value written by
+    `_qkv_kernel`) and its part c of the head's rows of the output product (`out_split`), added
+    into the flow's zeros; those loaded before the cache's (`early`: their wait overlaps the
+    attention's, for more registers) or after."""
     h, pos = pl.program_id(0), at_ref[0]
     kd, n = k_ref.shape[1], head0 + h
-    w_o = _tiles(wo_ref, pl.ds(h * kd, kd), k.BK) if k.early else None
+    per = wo_ref.shape[1] // k.BK // k.out_split  # tiles of the rows a program takes
+    first = pl.program_id(1) * per * k.BK
+    w_o = _tiles(wo_ref, pl.ds(h * kd, kd), k.BK, first, per) if k.early else None
     kv_new = (k_ref[n, :, pos].astype(F32), v_ref[n, pos, :].astype(F32))
     y = round_to(_attend(q_ref[pl.ds(h * kd, kd)], kv_new, k_ref, v_ref, n, at_ref, k.BS), k.dtype)
     if w_o is None:
-        w_o = _tiles(wo_ref, pl.ds(h * kd, kd), k.BK)
-    _add_rows_times(o_ref, y, w_o, k, None)
-    _add_residual(o_ref, cleared_ref, x_ref, bo_ref, k.BK)
+        w_o = _tiles(wo_ref, pl.ds(h * kd, kd), k.BK, first, per)
+    _add_rows_times(o_ref, y, w_o, k, None, first)
+    _add_residual(o_ref, cleared_ref, x_ref, bo_ref, k.BK, axes=2)
 
 
 def split_attention(flow: Flow, p: AttentionParams, k_NKS, v_NSK, index, lo, k: Kernels, head0: int = 0
                     ) -> tuple[Flow, jax.Array, jax.Array]:
     """The block as two kernels: q, k and v over 3D / BQ programs (the cache written in place),
-    then one program a head for the attention and the output rows."""
+    then `out_split` programs a head for the attention and the output rows."""
     d, heads = flow.x.shape[0], flow.x.shape[0] // k_NKS.shape[1]
     at = _positions(index, lo, k_NKS.shape[-1])
     cache = (jax.ShapeDtypeStruct(k_NKS.shape, k_NKS.dtype), jax.ShapeDtypeStruct(v_NSK.shape, v_NSK.dtype))
@@ -393,7 +403,7 @@ def split_attention(flow: Flow, p: AttentionParams, k_NKS, v_NSK, index, lo, k: 
         at, flow.x, p.scale, p.bias, p.w_qkv, p.b_qkv, k_NKS, v_NSK)
     y, cleared = _call(
         functools.partial(_head_kernel, k=k, head0=head0), k, k.attention_warps, out_shape=(vec, vec),
-        grid=(heads,), input_output_aliases={7: 0, 8: 1})(
+        grid=(heads, k.out_split), input_output_aliases={7: 0, 8: 1})(
         at, flow.x, q_D, k_NKS, v_NSK, p.w_o, p.b_o, flow.zero, flow.spare)
     return Flow(y, cleared, flow.x), k_NKS, v_NSK
 

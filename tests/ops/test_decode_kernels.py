@@ -12,6 +12,8 @@ from gpt.ops import decode_kernels as dk
 D, F, H, S = 64, 256, 4, 40  # K = 16; S = 40 is not a multiple of BS = 16
 K = D // H
 KERNELS = dk.Kernels(BF=16, BK=32, BQ=8, BS=16)
+FORMS = {"one": dict(attention="one"), "split": dict(attention="split"),  # the attention block's forms
+         "split, out 2": dict(attention="split", out_split=2)}  # w_o's rows in 2 programs a head
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 WHERE = [pytest.param(True, id="interpreter"), pytest.param(False, id="triton", marks=ON_GPU)]
 
@@ -56,7 +58,7 @@ def _cache(key, index: int, lo: int):
 
 
 @pytest.mark.parametrize("interpret", WHERE)
-@pytest.mark.parametrize("form", ["one", "split"])
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("index,lo", [(37, 0), (20, 5), (0, 0), (39, 33), (15, 15), (7, -3),  # unwrapped
                                       (45, 10), (85, 50), (41, 0)])  # a ring past S: window, start
 def test_attention_block_matches_float64(form, index, lo, interpret):
@@ -67,7 +69,7 @@ def test_attention_block_matches_float64(form, index, lo, interpret):
     x = jax.random.normal(kx, (D,))
     p = _params(kp, dk.AttentionParams, [(D,), (D,), (3 * D, D), (3 * D,), (D, D), (D,)])
     keys, values = _cache(kc, index, lo)
-    k = KERNELS._replace(attention=form, dtype="float32", interpret=interpret)
+    k = KERNELS._replace(dtype="float32", interpret=interpret, **FORMS[form])
     run = jax.jit(lambda f, kk, vv: dk.attention_block(f, p, kk, vv, jnp.int32(index), jnp.int32(lo), k, H))
     out, new_k, new_v = run(dk.Flow(x, jnp.zeros(D), jnp.ones(D)), keys, values)
     x64, pos = np.asarray(x, np.float64), index % S
@@ -85,7 +87,7 @@ def test_attention_block_matches_float64(form, index, lo, interpret):
 
 
 @pytest.mark.parametrize("interpret", WHERE)
-@pytest.mark.parametrize("form", ["one", "split"])
+@pytest.mark.parametrize("form", list(FORMS))
 def test_attention_block_in_bf16(form, interpret):
     """bf16 weights and cache, as the sampler holds them on a GPU: bf16's precision against
     float64, the key and value written rounded to the cache's dtype."""
@@ -93,7 +95,7 @@ def test_attention_block_in_bf16(form, interpret):
     x = jax.random.normal(kx, (D,))
     p = _params(kp, dk.AttentionParams, [(D,), (D,), (3 * D, D), (3 * D,), (D, D), (D,)], "bfloat16")
     keys, values = (a.astype(jnp.bfloat16) for a in _cache(kc, 30, 0))
-    k = KERNELS._replace(attention=form, interpret=interpret)
+    k = KERNELS._replace(interpret=interpret, **FORMS[form])
     block = lambda f: dk.attention_block(f, p, keys, values, jnp.int32(30), jnp.int32(0), k, H)  # noqa: E731
     out, new_k, _ = jax.jit(block)(dk.Flow(x, jnp.zeros(D), jnp.zeros(D)))
     x64 = np.asarray(x, np.float64)
@@ -131,3 +133,5 @@ def test_fit_shrinks_blocks_to_a_model():
     assert (k.BK, k.BF, k.BQ, k.BS) == (32, 16, 8, 4)
     # the MLP's two weights loaded first only where they fit a thread's registers (ptxas, offline)
     assert [dk.fit(dk.Kernels(), d, 4 * d, 64, 1024).early for d in (768, 1280, 2048)] == [True, True, False]
+    # w_o's rows split into a number of programs that divides their tiles
+    assert [dk.fit(dk.Kernels(out_split=3), d, 4 * d, 64, 1024).out_split for d in (768, 1024)] == [3, 1]
