@@ -57,33 +57,37 @@ def _cache(key, index: int, lo: int):
     return jnp.where(unseen, jnp.nan, keys), jnp.where(jnp.swapaxes(unseen, 1, 2), jnp.nan, values)
 
 
+CASES = [(37, 0), (20, 5), (0, 0), (39, 33), (15, 15), (7, -3),  # (index, lo) before the ring wraps
+         (45, 10), (85, 50), (41, 0)]  # past S: the window, a start
+
+
 @pytest.mark.parametrize("interpret", WHERE)
 @pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("index,lo", [(37, 0), (20, 5), (0, 0), (39, 33), (15, 15), (7, -3),  # unwrapped
-                                      (45, 10), (85, 50), (41, 0)])  # a ring past S: window, start
-def test_attention_block_matches_float64(form, index, lo, interpret):
-    """Layer 1 of the two-layer cache (rows 4-7): token `index` written at slot index mod S and
-    nowhere else (layer 0 untouched), attending to itself and tokens lo..index-1 as the cache holds
-    them, whatever the other slots hold."""
-    kx, kp, kc = jax.random.split(jax.random.key(index * 100 + lo), 3)
-    x = jax.random.normal(kx, (D,))
-    p = _params(kp, dk.AttentionParams, [(D,), (D,), (3 * D, D), (3 * D,), (D, D), (D,)])
-    keys, values = _cache(kc, index, lo)
+def test_attention_block_matches_float64(form, interpret):
+    """Layer 1 of the two-layer cache (rows 4-7), for each (index, lo) of CASES: token `index`
+    written at slot index mod S and nowhere else (layer 0 untouched), attending to itself and
+    tokens lo..index-1 as the cache holds them, whatever the other slots hold. One compilation
+    for all the cases (index and lo are run-time values, as in the sampler)."""
     k = KERNELS._replace(dtype="float32", interpret=interpret, **FORMS[form])
-    run = jax.jit(lambda f, kk, vv: dk.attention_block(f, p, kk, vv, jnp.int32(index), jnp.int32(lo), k, H))
-    out, new_k, new_v = run(dk.Flow(x, jnp.zeros(D), jnp.ones(D)), keys, values)
-    x64, pos = np.asarray(x, np.float64), index % S
-    want = dk.reference_attention(x, p, keys[H:], values[H:], index, lo) - x64
-    assert _rel(np.asarray(out.x, np.float64) - x64, want) < 1e-5, form
-    assert not np.any(np.asarray(out.zero))
-    for new, old, axis in ((new_k, keys, 2), (new_v, values, 1)):
-        np.testing.assert_array_equal(*(np.delete(np.asarray(a), pos, axis) for a in (new, old)))
-    p64 = [np.asarray(a, np.float64) for a in p]
-    xn = (x64 - x64.mean()) / np.sqrt(x64.var() + 1e-5) * p64[0] + p64[1]
-    qkv = p64[2] @ xn + p64[3]
-    written = (np.asarray(new_k)[H:, :, pos], np.asarray(new_v)[H:, pos])  # this token's, per head
-    for new, want in zip(written, (qkv[D:2 * D], qkv[2 * D:])):
-        np.testing.assert_allclose(new, want.reshape(H, K), rtol=1e-5, atol=1e-5)
+    run = jax.jit(lambda f, p, kk, vv, i, lo: dk.attention_block(f, p, kk, vv, i, lo, k, H))
+    for index, lo in CASES:
+        kx, kp, kc = jax.random.split(jax.random.key(index * 100 + lo), 3)
+        x = jax.random.normal(kx, (D,))
+        p = _params(kp, dk.AttentionParams, [(D,), (D,), (3 * D, D), (3 * D,), (D, D), (D,)])
+        keys, values = _cache(kc, index, lo)
+        out, new_k, new_v = run(dk.Flow(x, jnp.zeros(D), jnp.ones(D)), p, keys, values, index, lo)
+        x64, pos = np.asarray(x, np.float64), index % S
+        want = dk.reference_attention(x, p, keys[H:], values[H:], index, lo) - x64
+        assert _rel(np.asarray(out.x, np.float64) - x64, want) < 1e-5, (form, index, lo)
+        assert not np.any(np.asarray(out.zero))
+        for new, old, axis in ((new_k, keys, 2), (new_v, values, 1)):
+            np.testing.assert_array_equal(*(np.delete(np.asarray(a), pos, axis) for a in (new, old)))
+        p64 = [np.asarray(a, np.float64) for a in p]
+        xn = (x64 - x64.mean()) / np.sqrt(x64.var() + 1e-5) * p64[0] + p64[1]
+        qkv = p64[2] @ xn + p64[3]
+        written = (np.asarray(new_k)[H:, :, pos], np.asarray(new_v)[H:, pos])  # this token's, per head
+        for new, want in zip(written, (qkv[D:2 * D], qkv[2 * D:])):
+            np.testing.assert_allclose(new, want.reshape(H, K), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("interpret", WHERE)
