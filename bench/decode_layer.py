@@ -31,7 +31,6 @@ import functools
 import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -40,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.matvec import GPU  # noqa: E402
+from bench.matvec import GPU, seconds_per_call  # noqa: E402
 from gpt.ops import decode_kernels as dk  # noqa: E402
 from gpt.ops.decode_kernels import Flow, gelu, start_flow  # noqa: E402
 from gpt.ops.norm import layer_norm  # noqa: E402
@@ -149,8 +148,8 @@ def _attention_block(k: dk.Kernels) -> Callable:
     """block(flow, p, keys, values, pos) -> (flow, keys, values): the kernels' block over one
     layer's cache, every position from 0 on."""
     def block(flow, p, keys, values, pos):
-        parts = math.gcd(k.out_split, flow.x.shape[0] // k.BK)  # w_o's rows as they divide (tests: 1)
-        return dk.attention_block(flow, p, keys, values, pos, 0, k._replace(out_split=parts))
+        (_, kd, s), d = keys.shape, flow.x.shape[0]  # fitted as the model's are (the tests' sizes)
+        return dk.attention_block(flow, p, keys, values, pos, 0, dk.fit(k, d, 4 * d, kd, s))
     return block
 
 
@@ -233,22 +232,10 @@ def check_attention(key: jax.Array, d: int = D, h: int = H, s: int = 512, pos: i
             for name, got in out.items()}
 
 
-def _seconds(f, args: tuple, state, reps: int) -> float:
-    """Best of three batches of `reps` calls of f(*args, state) -> state, each call taking the
-    state (donated) that the last returned."""
-    state = jax.block_until_ready(f(*args, state))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            state = f(*args, state)
-        jax.block_until_ready(state)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
-
-
 def _timed(f, args: tuple, state, reps: int, blocks: int, read: int) -> dict:
-    us = 1e6 * _seconds(jax.jit(f, donate_argnums=(len(args),)), args, state, reps) / blocks
+    """Per block: calls of f(*args, state) -> state, each taking (donated) the state the last returned."""
+    step = jax.jit(f, donate_argnums=(len(args),))
+    us = 1e6 * seconds_per_call(step, *args, state, reps=reps, carry=True) / blocks
     return {"us": us, "read_gbps": read / us / 1e3}
 
 

@@ -5,8 +5,9 @@
 
 Parts (each runs in its own process, so an out-of-memory variant or a crash is recorded and the
 suite goes on):
-- tests: `pytest -m gpu` (cuDNN attention == reference with gradients, bf16 training tracks
-  float32, cached decoding == full recompute).
+- tests: `pytest -m gpu` over every module (cuDNN attention == reference with gradients, bf16
+  training tracks float32, cached decoding == full recompute, the decoding kernels as Triton
+  kernels against float64 and the full recompute).
 - train: `bench/train.py` on GPT-2 124M at T=1024 in bfloat16: batch sizes 16 to 128 (one that
   does not fit is recorded as out of memory), remat variants, the residual stream in bf16, and the compile time with and without
   --scan_layers; tokens/s and MFU against the measured matmul ceiling and the vendor peak (steps
@@ -27,11 +28,12 @@ suite goes on):
   group and its top kernels, for the headline training step (batch 64, one batch a step), the same
   with the residual stream in bf16, and batch-1 decoding: where the time goes when a target is missed;
   with each, the plan XLA's GPU runtime executes (bench/plan.py: CUDA graphs, what runs outside).
-- kernels (not run unless named in --parts): hand-written decoding kernels against XLA's, each
-  checked against float64 first: `bench/decode_layer.py` (a decoding step's MLP and attention
-  blocks as one or two Pallas kernels each, and a whole greedy token against the copy bound) and
-  `bench/matvec.py` (one-row products): whether fewer, fused kernels can bring batch-1 decoding
-  near the bandwidth bound, before the sampler is built on them.
+- kernels (not run unless named in --parts): hand-written decoding kernels against XLA's: first
+  the sampler at batch 1 with XLA's layers and with gpt/ops/decode_kernels.py's (`bench/sample.py
+  --decode_kernels`), then, each checked against float64 first, `bench/decode_layer.py` (a
+  decoding step's MLP and attention blocks in their variants, and a whole greedy token against the
+  copy bound), `bench/topk.py` (the sampler's top-k, exact variants) and `bench/matvec.py`
+  (one-row products): whether fewer, fused kernels bring batch-1 decoding near the bandwidth bound.
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.

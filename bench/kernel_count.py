@@ -127,12 +127,12 @@ def decode_program(args, sharding) -> tuple[str, str]:
     from bench.sample import hold_in, preset_model
     from gpt.config import ComputeConfig, validate_compute
     from gpt.model import GPT, for_decoding
-    from gpt.runtime import decoding_dtype, resolve
+    from gpt.runtime import decode_kernels_on, decoding_dtype, resolve
     from gpt.sampling import SamplingSettings, decode, prefill
     cfg = preset_model(args.config)
     backend = _backend(args.target)
     dtype = decoding_dtype(args.dtype or "auto", backend)
-    kernels = ("triton" if backend == "gpu" else "interpret") if args.decode_kernels else ""
+    kernels = decode_kernels_on(backend) if args.decode_kernels else ""
     rt = resolve(cfg, validate_compute(ComputeConfig(dtype=dtype)), backend, decode_kernels=kernels)
     gd, params = nnx.split(nnx.eval_shape(lambda: for_decoding(GPT(cfg, rngs=nnx.Rngs(0), runtime=rt))))
     params = jax.eval_shape(lambda p: hold_in(p, rt.dtype), params)

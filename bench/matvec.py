@@ -85,13 +85,15 @@ def chain(product, ws: list[jax.Array], x: jax.Array) -> jax.Array:
     return x
 
 
-def seconds_per_call(fn, *args, reps: int) -> float:
-    """Best of three batches of `reps` asynchronous calls (dispatch overlaps the device work)."""
-    jax.block_until_ready(fn(*args))
+def seconds_per_call(fn, *args, reps: int, carry: bool = False) -> float:
+    """Best of three batches of `reps` asynchronous calls (dispatch overlaps the device work).
+    `carry`: each call takes the last one's output as its last argument (a state it donates)."""
+    out = jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
         for _ in range(reps):
+            args = (*args[:-1], out) if carry else args
             out = fn(*args)
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - t0) / reps)

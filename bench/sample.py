@@ -79,7 +79,7 @@ from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import (PRESETS, ComputeConfig, ModelConfig, validate_compute,  # noqa: E402
                         validate_model)
 from gpt.model import GPT, decode_kernels_problem, for_decoding, num_params  # noqa: E402
-from gpt.runtime import decoding_dtype, resolve, run_cpu_programs_inline  # noqa: E402
+from gpt.runtime import decode_kernels_on, decoding_dtype, resolve, run_cpu_programs_inline  # noqa: E402
 from bench.nocache import full_recompute_generate  # noqa: E402
 from gpt.sampling import SamplingSettings, decode, prefill  # noqa: E402
 from gpt import speculative as spec  # noqa: E402
@@ -100,7 +100,7 @@ def build_model(name: str, dtype: str, kernels: bool = False) -> tuple[ModelConf
     """Preset `name`'s architecture with random weights, computed in `dtype`; with `kernels`, its
     one-row decoding steps through gpt/ops/decode_kernels.py (the interpreter off a GPU)."""
     cfg = preset_model(name)
-    mode = ("triton" if jax.default_backend() == "gpu" else "interpret") if kernels else ""
+    mode = decode_kernels_on(jax.default_backend()) if kernels else ""
     rt = resolve(cfg, validate_compute(ComputeConfig(dtype=dtype)), decode_kernels=mode)
     return cfg, GPT(cfg, rngs=nnx.Rngs(0), runtime=rt)
 

@@ -59,13 +59,14 @@ def threshold(x_V: jax.Array, k: int, C: int, cap: int) -> tuple[jax.Array, jax.
     maxes_R = jnp.pad(x_V, (0, R * C - V), constant_values=-jnp.inf).reshape(R, C).max(axis=1)
     m = jax.lax.top_k(maxes_R, k)[0][-1]
     keep_V = x_V >= m
+    n = jnp.sum(keep_V)
     idx_c = jnp.nonzero(keep_V, size=cap, fill_value=V - 1)[0]
-    vals_c = jnp.where(jnp.arange(cap) < jnp.sum(keep_V), x_V[idx_c], -jnp.inf)  # the fill: never picked
+    vals_c = jnp.where(jnp.arange(cap) < n, x_V[idx_c], -jnp.inf)  # the fill: never picked
 
     def candidates(_):
         vals_k, pick_k = jax.lax.top_k(vals_c, k)
         return vals_k, idx_c[pick_k]
-    return jax.lax.cond(jnp.sum(keep_V) <= cap, candidates, lambda _: tuple(jax.lax.top_k(x_V, k)), None)
+    return jax.lax.cond(n <= cap, candidates, lambda _: tuple(jax.lax.top_k(x_V, k)), None)
 
 
 def variants(k: int, vocab: int) -> dict:

@@ -81,6 +81,12 @@ class Runtime:
             raise ValueError(f"decode_kernels={self.decode_kernels!r}: one of {DECODE_KERNELS}")
 
 
+def decode_kernels_on(backend: str) -> str:
+    """`Runtime.decode_kernels` that runs the decoding kernels on `backend`: Triton on a GPU,
+    Pallas's interpreter elsewhere (tests, counts compiled for this host)."""
+    return "triton" if backend == "gpu" else "interpret"
+
+
 # The CPU's auto loss chunks (--loss_chunks=0): slices of about this many rows (B x positions),
 # once the padded vocabulary has at least this many entries (BENCHMARKS.md: on XLA:CPU the fused
 # head-and-loss was 1.2-1.5x faster for GPT-2's vocabulary, about even for small ones)

@@ -23,6 +23,7 @@ from flax import nnx
 
 from gpt.errors import UserError
 from gpt.model import GPT, KVCache, decode_kernels_problem, for_decoding, init_cache
+from gpt.runtime import decode_kernels_on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +250,7 @@ def with_decode_kernels(model: GPT, rows: int, speculative: bool, backend: str) 
     if problem is not None:
         raise UserError(f"--decode_kernels {problem}; drop --decode_kernels")
     out = nnx.merge(*nnx.split(model))  # a twin sharing its arrays
-    out.rt = dataclasses.replace(model.rt, decode_kernels="triton")
+    out.rt = dataclasses.replace(model.rt, decode_kernels=decode_kernels_on(backend))
     return out
 
 
