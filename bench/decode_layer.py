@@ -138,7 +138,7 @@ def mlp_variants() -> dict[str, tuple[Callable, Callable]]:
     out = {"xla": (xla_layout, _on_x(xla_mlp))}
     for BF, BK, warps, atomic, early in MLP_PALLAS:
         k = _kernels(BF=BF, BK=BK, mlp_warps=warps, early=early)
-        block = functools.partial(dk.mlp_block, k=k) if atomic else _on_x(functools.partial(dk.mlp_rows, k=k))
+        block = functools.partial(dk.atomic_mlp, k=k) if atomic else _on_x(functools.partial(dk.mlp_rows, k=k))
         out[f"{'atomic' if atomic else 'pallas'} BF{BF} BK{BK} w{warps}{' early' if early else ''}"] = (
             lambda p: p, block)
     return out
@@ -282,16 +282,19 @@ def time_attention(key: jax.Array, n: int, loops: int, reps: int, s: int, pos: i
     return rows
 
 
-def passed(e: dict, block: str) -> bool:
-    """Whether a variant's values passed: bf16's precision against float64, and near XLA's block
-    (1e-3 for the MLP: GELU outputs whose bf16 rounding flips between Triton's tanh and XLA's; the
-    attention's online softmax rounds its probabilities unnormalised)."""
-    return e.get("vs_float64", 1.0) < 2e-2 and e.get("vs_xla", 1.0) < {"mlp": 1e-3, "attention": 1e-2}[block]
+def passed(e: dict) -> bool:
+    """Whether a variant's values passed: bf16's precision against float64, and within 1e-2 of XLA's
+    block. The kernels round where the sampler's model asks (products' inputs, GELU's), while XLA
+    on a GPU may skip a float32 -> bf16 -> float32 round trip (its default
+    --xla_allow_excess_precision): on the H200 its MLP block came within 3e-7 of float64, the
+    kernels' 3.2e-3 from both (BENCHMARKS.md); the attention's online softmax also rounds its
+    probabilities unnormalised."""
+    return e.get("vs_float64", 1.0) < 2e-2 and e.get("vs_xla", 1.0) < 1e-2
 
 
-def _fastest(rows: dict, errors: dict, block: str) -> str | None:
+def _fastest(rows: dict, errors: dict) -> str | None:
     """The fastest Pallas variant that ran and whose values passed, or None."""
-    timed = {n: r["us"] for n, r in rows.items() if n != "xla" and "us" in r and passed(errors.get(n, {}), block)}
+    timed = {n: r["us"] for n, r in rows.items() if n != "xla" and "us" in r and passed(errors.get(n, {}))}
     return min(timed, key=timed.get) if timed else None
 
 
@@ -315,7 +318,7 @@ def time_token(key: jax.Array, blocks: dict, errors: dict, n: int, loops: int, r
     measured here. n a multiple of 3, or XLA copies the flow's buffers back in place (`Flow`)."""
     from gpt.metrics import measure_copy_gbps
     names = {"xla": ("xla", "xla"),
-             "pallas": tuple(_fastest(blocks[b], errors[b], b) for b in ("attention", "mlp"))}
+             "pallas": tuple(_fastest(blocks[b], errors[b]) for b in ("attention", "mlp"))}
     ps = [(random_attention(jax.random.fold_in(key, i)), random_mlp(jax.random.fold_in(key, n + i))) for i in range(n)]
     head = (_small(jax.random.fold_in(key, 3 * n), (v, D), BF16), jnp.ones((D,)), jnp.zeros((D,)))
     read = n * (4 * D * D + 2 * F * D + (pos + 1) * 2 * D) * 2 + v * D * 2
@@ -357,9 +360,9 @@ def main(argv: list[str]) -> int:
         ap.error(f"--chain={args.chain}: use a multiple of 3 (else XLA copies between blocks)")
     key = jax.random.key(0)
     errors = {"mlp": check_mlp(key), "attention": check_attention(key)}
-    for block, rows in errors.items():
+    for rows in errors.values():
         for e in rows.values():
-            e["passed"] = passed(e, block)
+            e["passed"] = passed(e)
     worst = max(_worst(e, "vs_float64") for e in errors.values())
     apart = {b: _worst(errors[b], "vs_xla") for b in errors}
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; largest relative error against "

@@ -336,7 +336,7 @@ def test_decode_layer_timing_paths_run_on_cpu(monkeypatch):
     assert all(r["us"] > 0 and r["read_gbps"] > 0 for rows in blocks.values() for r in rows.values())
     ok = {b: {n: {"vs_float64": 0.0, "vs_xla": 0.0} for n in rows} for b, rows in blocks.items()}
     token = dl.time_token(key, blocks, ok, 1, 2, 1, 256, 60, v=256)
-    assert token["xla"]["mlp"] == "xla" and token["pallas"]["mlp"] == dl._fastest(blocks["mlp"], ok["mlp"], "mlp")
+    assert token["xla"]["mlp"] == "xla" and token["pallas"]["mlp"] == dl._fastest(blocks["mlp"], ok["mlp"])
     assert all(token[w]["of_copy_bound"] > 0 for w in ("xla", "pallas"))
 
 
@@ -362,11 +362,12 @@ def test_topk_in_two_stages_is_exactly_lax_top_k(monkeypatch):
 def test_decode_layer_fastest_needs_passing_values():
     from bench import decode_layer as dl
     rows = {"xla": {"us": 1.0}, "a": {"us": 2.0}, "b": {"us": 3.0}, "c": {"error": "x"}, "d": {"us": 4.0}}
-    errors = {"a": {"vs_float64": 1e-3, "vs_xla": 5e-3}, "b": {"vs_float64": 1e-3, "vs_xla": 1e-4},
+    errors = {"a": {"vs_float64": 1e-3, "vs_xla": 2e-2}, "b": {"vs_float64": 1e-3, "vs_xla": 5e-3},
               "c": {"vs_float64": 1e-3, "vs_xla": 1e-4}, "d": {"error": "changed the cache"}}
-    assert dl._fastest(rows, errors, "mlp") == "b"  # a's values are off for an MLP block
-    assert dl._fastest(rows, errors, "attention") == "a"
-    assert dl._fastest({"xla": {"us": 1.0}}, {}, "mlp") is None
+    assert dl._fastest(rows, errors) == "b"  # a's values are too far from XLA's, c failed, d is off
+    errors["a"]["vs_xla"] = 5e-3  # bf16's rounding where XLA's kept float32 (3.2e-3 on the H200)
+    assert dl._fastest(rows, errors) == "a"
+    assert dl._fastest({"xla": {"us": 1.0}}, {}) is None
 
 
 def test_decode_layer_mixed_chains_match_xlas():

@@ -1,4 +1,4 @@
-"""Batch-1 decoding's GPT-2 layer as hand-written Pallas (Triton) kernels: three kernels a layer.
+"""Batch-1 decoding's GPT-2 layer as hand-written Pallas (Triton) kernels: three kernels a layer and a sum.
 
 A GPT-2 token that XLA compiles for a GPU is about 170 kernels of 2-3 us each, most of them far
 from the memory bandwidth (BENCHMARKS.md): XLA's products alone cap batch-1 decoding near 40-50%
@@ -8,8 +8,9 @@ of the bandwidth bound. Here each block of a layer reads its weights once, in fe
   It normalises x itself (768 entries: every program does, so no kernel has to come first),
   multiplies by its BF rows of fc's weight held [F, D] ([out, in]), adds the bias, applies GELU,
   multiplies by its BF rows of proj's weight held [F, D] ([in, out]: both contiguous rows, each
-  weight read once in all) and adds the result into the output atomically (`mlp_block`), or writes
-  a partial row that XLA sums after (`mlp_rows`, one more kernel).
+  weight read once in all) and writes a partial row that XLA sums after (`mlp_rows`, one more
+  kernel), or adds the result into the output atomically (`atomic_mlp`: 192 programs adding into
+  the same 768 entries, slower on an H200).
 - the attention block, x + out(attention(qkv(LayerNorm(x)), cache)) of token `index`: one
   program a head (`attention_block`: its q, k and v rows of the qkv weight [3D, D], k and v into
   the cache at slot index mod S, attention over the tokens lo..index that the cache's ring of S
@@ -86,11 +87,14 @@ def start_flow(x_D: jax.Array) -> Flow:
 
 
 class Kernels(NamedTuple):
-    """The kernels' static choices. Block sizes are powers of two (Triton's); `fit` shrinks them to
-    a model's sizes. `attention`: "one" kernel a block or "split" in two; `early`: every weight
-    tile of a program loaded before its first product (one wait on the memory, more registers)."""
+    """The kernels' static choices, the defaults the fastest measured on an H200 (BENCHMARKS.md).
+    Block sizes are powers of two (Triton's); `fit` shrinks them to a model's sizes. `mlp`:
+    "rows" (partial rows XLA sums) or "atomic"; `attention`: "one" kernel a block or "split" in
+    two; `early`: every weight tile of a program loaded before its first product (one wait on the
+    memory, more registers)."""
     BF: int = 16  # MLP: hidden units per program
     BK: int = 256  # columns per load of a row
+    mlp: str = "rows"
     mlp_warps: int = 4
     attention: str = "split"
     BQ: int = 16  # split attention: q/k/v rows per program
@@ -99,7 +103,7 @@ class Kernels(NamedTuple):
     # split attention: programs a head in its second kernel, each adding 1 / out_split of the head's
     # output rows (each computing the head's attention: more programs read w_o, the cache is read
     # out_split times); `fit` makes it divide the rows' tiles
-    out_split: int = 1
+    out_split: int = 3
     early: bool = True
     eps: float = 1e-5  # LayerNorm's
     dtype: str = "bfloat16"  # the products' input dtype
@@ -206,6 +210,16 @@ def _add_residual(o_ref, cleared_ref, x_ref, b_ref, BK: int, axes: int = 1) -> N
             cleared_ref[cols] = jnp.zeros((BK,), F32)
 
 
+def _residual_row(o_ref, x_ref, b_ref, BK: int) -> None:
+    """Program 0 writes x and the output bias as o's last row: the sum of o's rows is then the
+    block's output, one reduction for XLA (x + rows.sum(0) + b compiled to two kernels)."""
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        for c in range(x_ref.shape[0] // BK):
+            cols = pl.ds(c * BK, BK)
+            o_ref[o_ref.shape[0] - 1, cols] = x_ref[cols] + b_ref[cols]
+
+
 def _mlp_kernel(x_ref, s_ref, b_ref, wfc_ref, bfc_ref, wp_ref, bp_ref, *refs, k: Kernels, atomic: bool):
     """Program j: hidden units [j BF, (j+1) BF) through fc, GELU and proj, into the output: its
     partial row j, or (`atomic`) added into the flow's zeros, whose spare buffer it clears."""
@@ -222,6 +236,7 @@ def _mlp_kernel(x_ref, s_ref, b_ref, wfc_ref, bfc_ref, wp_ref, bp_ref, *refs, k:
         _add_residual(*refs[-2:], x_ref, bp_ref, k.BK)
     else:
         _add_rows_times(refs[-1], g, w_proj, k, j)
+        _residual_row(refs[-1], x_ref, bp_ref, k.BK)
 
 
 def _check_mlp(p: MLPParams, k: Kernels) -> tuple[int, int]:
@@ -231,14 +246,15 @@ def _check_mlp(p: MLPParams, k: Kernels) -> tuple[int, int]:
 
 
 def mlp_rows(x_D: jax.Array, p: MLPParams, k: Kernels) -> jax.Array:
-    """The MLP block as a kernel writing F / BF partial rows, which XLA sums with the bias and x."""
+    """The MLP block as a kernel writing F / BF partial rows and x plus the bias as one more, which
+    XLA sums."""
     f, d = _check_mlp(p, k)
     part_PD = _call(functools.partial(_mlp_kernel, k=k, atomic=False), k, k.mlp_warps,
-                    out_shape=jax.ShapeDtypeStruct((f // k.BF, d), F32), grid=(f // k.BF,))(x_D, *p)
-    return x_D + part_PD.sum(0) + p.b_proj
+                    out_shape=jax.ShapeDtypeStruct((f // k.BF + 1, d), F32), grid=(f // k.BF,))(x_D, *p)
+    return part_PD.sum(0)
 
 
-def mlp_block(flow: Flow, p: MLPParams, k: Kernels) -> Flow:
+def atomic_mlp(flow: Flow, p: MLPParams, k: Kernels) -> Flow:
     """The MLP block as one kernel adding into the flow's zeros."""
     f, d = _check_mlp(p, k)
     args = (flow.x, *p, flow.zero, flow.spare)
@@ -246,6 +262,14 @@ def mlp_block(flow: Flow, p: MLPParams, k: Kernels) -> Flow:
     y, cleared = _call(functools.partial(_mlp_kernel, k=k, atomic=True), k, k.mlp_warps, out_shape=(vec, vec),
                        grid=(f // k.BF,), input_output_aliases={n - 2: 0, n - 1: 1})(*args)
     return Flow(y, cleared, flow.x)
+
+
+def mlp_block(flow: Flow, p: MLPParams, k: Kernels) -> Flow:
+    """The MLP block on the flow (`k.mlp`): `mlp_rows`, which leaves the flow's buffers alone, or
+    `atomic_mlp`."""
+    if k.mlp == "atomic":
+        return atomic_mlp(flow, p, k)
+    return flow._replace(x=mlp_rows(flow.x, p, k))
 
 
 def _attend(q, kv_new, k_ref, v_ref, n, at_ref, BS: int) -> jax.Array:
@@ -320,7 +344,7 @@ def _check_attention(flow: Flow, p: AttentionParams, k_NKS, v_NSK, heads: int, k
         (p.w_qkv.shape, k_NKS.shape)
     assert d % k.BK == 0 and kd % k.BQ == 0 and k.BS <= s and v_NSK.shape == (k_NKS.shape[0], s, kd), \
         (d, kd, s, k)
-    assert (d // k.BK) % k.out_split == 0, (d, k)
+    assert k.attention != "split" or (d // k.BK) % k.out_split == 0, (d, k)
 
 
 def attention_block(flow: Flow, p: AttentionParams, k_NKS, v_NSK, index, lo, k: Kernels, head0: int = 0

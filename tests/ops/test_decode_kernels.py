@@ -12,7 +12,7 @@ from gpt.ops import decode_kernels as dk
 D, F, H, S = 64, 256, 4, 40  # K = 16; S = 40 is not a multiple of BS = 16
 K = D // H
 KERNELS = dk.Kernels(BF=16, BK=32, BQ=8, BS=16)
-FORMS = {"one": dict(attention="one"), "split": dict(attention="split"),  # the attention block's forms
+FORMS = {"one": dict(attention="one"), "split": dict(attention="split", out_split=1),  # the attention's forms
          "split, out 2": dict(attention="split", out_split=2)}  # w_o's rows in 2 programs a head
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
 WHERE = [pytest.param(True, id="interpreter"), pytest.param(False, id="triton", marks=ON_GPU)]
@@ -37,12 +37,13 @@ def test_mlp_block_matches_float64(dtype, interpret):
     k = KERNELS._replace(dtype=dtype, interpret=interpret)
     want = dk.reference_mlp(x, p) - np.asarray(x)
     flow = dk.Flow(x, jnp.zeros(D), jnp.ones(D))  # a spare buffer that is not zeros: cleared
-    out = jax.jit(lambda f: dk.mlp_block(f, p, k))(flow)
-    rows = jax.jit(lambda x: dk.mlp_rows(x, p, k))(x)
+    out = jax.jit(lambda f: dk.atomic_mlp(f, p, k))(flow)
+    rows = jax.jit(lambda f: dk.mlp_block(f, p, k))(flow)  # k.mlp "rows"
     tol = 1e-5 if dtype == "float32" else 2e-2
-    for got in (out.x, rows):
+    for got in (out.x, rows.x):
         assert _rel(np.asarray(got) - np.asarray(x), want) < tol
     assert not np.any(np.asarray(out.zero)) and np.array_equal(out.spare, x)  # the rotation (`Flow`)
+    assert not np.any(np.asarray(rows.zero)) and np.all(np.asarray(rows.spare) == 1)  # rows: left alone
 
 
 def _cache(key, index: int, lo: int):
@@ -138,4 +139,4 @@ def test_fit_shrinks_blocks_to_a_model():
     # the MLP's two weights loaded first only where they fit a thread's registers (ptxas, offline)
     assert [dk.fit(dk.Kernels(), d, 4 * d, 64, 1024).early for d in (768, 1280, 2048)] == [True, True, False]
     # w_o's rows split into a number of programs that divides their tiles
-    assert [dk.fit(dk.Kernels(out_split=3), d, 4 * d, 64, 1024).out_split for d in (768, 1024)] == [3, 1]
+    assert [dk.fit(dk.Kernels(), d, 4 * d, 64, 1024).out_split for d in (768, 1024)] == [3, 1]
