@@ -76,6 +76,8 @@ TRAIN_FULL = {
     # the loss in 8 slices of T (--loss_chunks): 21.2 instead of 26.9 GB of temporaries (H200 compile)
     "b64-res-ce8": ["--batch_size=64", "--residual_dtype=compute", "--loss_chunks=8"],
     "b128-res": ["--batch_size=128", "--residual_dtype=compute"],  # 53.5 GB of temporaries (H200 compile)
+    # the loss's pass over the logits as gpt/ops/xent_kernel.py's kernel, a program a row
+    "b64-res-xent": ["--batch_size=64", "--residual_dtype=compute", "--runtime=xent_kernel=triton"],
 }
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
 # XLA:GPU settings for the part "xla", aimed at what the H200 profile showed (BENCHMARKS.md): the
@@ -101,7 +103,8 @@ def sizes(size: str) -> dict:
                                  "--log_interval=5"],
                     spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16,
                     xla_train=["--batch_size=4"], profile_decode=["--config=tiny", "--new_tokens=8"],
-                    kernels=["--chain=3", "--reps=1"])
+                    kernels=["--chain=3", "--reps=1"], xent=["--rows=16", "--vocab=100", "--padded=128",
+                                                              "--reps=1"])
     # chains of 5 steps synchronised once, as train.py runs them (bench/train.py --chain)
     return dict(train_preset="gpt2", train_variants=TRAIN_FULL,
                 steps=["--steps=10", "--warmup=3", "--chain=5"],
@@ -110,7 +113,7 @@ def sizes(size: str) -> dict:
                              "--log_interval=10"],
                 spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"], distill_rows=2560,
                 xla_train=["--batch_size=64"], profile_decode=["--config=gpt2", "--new_tokens=64"],
-                kernels=[])
+                kernels=[], xent=[])
 
 
 class Runner:
@@ -297,14 +300,15 @@ def part_profile(r: Runner, sz: dict) -> dict:
 
 def part_kernels(r: Runner, sz: dict) -> dict:
     """The sampler at batch 1 with XLA's layers and with gpt/ops/decode_kernels.py's (`bench/sample.py
-    --decode_kernels`), then bench/decode_layer.py, bench/topk.py and bench/matvec.py: each row is
+    --decode_kernels`), then bench/xent.py (the training loss's pass over the logits),
+    bench/decode_layer.py, bench/topk.py and bench/matvec.py: each row is
     the tool's JSON (its values' errors and, on a GPU, its timings) with its exit status (1: a
     variant's values were off)."""
     rc, text, _ = r.run(sample_cmd(sz, "1") + ["--decode_kernels"])
     rows = {"sampler": (last_json(text) if rc == 0 else None) or {"error": why_failed(rc, text)}}
     r.save("kernels", rows)
-    for tool in ("decode_layer", "topk", "matvec"):
-        rc, text, _ = r.run([sys.executable, f"bench/{tool}.py", *sz["kernels"]])
+    for tool in ("xent", "decode_layer", "topk", "matvec"):
+        rc, text, _ = r.run([sys.executable, f"bench/{tool}.py", *sz["xent" if tool == "xent" else "kernels"]])
         res = last_json(text)
         rows[tool] = dict(res, exit=rc) if res else {"error": why_failed(rc, text)}
         r.save("kernels", rows)
@@ -481,11 +485,29 @@ def _topk_lines(row: dict) -> list[str]:
     return lines
 
 
+def _xent_lines(row: dict) -> list[str]:
+    """bench/xent.py: each variant's difference from XLA's and, on a GPU, its time."""
+    lines = [f"The loss's pass over [{row.get('rows')}, {row.get('padded')}] logits (bench/xent.py, "
+             f"{row.get('gb', float('nan')):.1f} GB read and written once): {_status(row)}", ""]
+    if "variants" in row:
+        lines += ["| variant | us | GB/s | lse vs xla | gradient vs xla |", "|---|---|---|---|---|"]
+        for name, v in row["variants"].items():
+            if "error" in v:
+                lines.append(f"| {name} | {v['error'][:80]} | | | |")
+                continue
+            timing = f"| {v['us']:.0f} | {v['gbps']:.0f} " if "us" in v else "| - | - "
+            lines.append(f"| {name} {timing}| {v['lse']:.1e} | {v['grad']:.1e}"
+                         f"{'' if v.get('passed') else ' **off**'} |")
+        lines.append("")
+    return lines
+
+
 def _kernels_table(rows: dict) -> list[str]:
     lines = []
     if "sampler" in rows:
         lines += ["The sampler at batch 1 (bench/sample.py --decode_kernels): XLA's layers, then the "
                   "decoding kernels' (`kernels`):", "", *_sample_table({"compute": rows["sampler"]}), ""]
+    lines += _xent_lines(rows["xent"]) if "xent" in rows else []
     lines += _layer_table(rows["decode_layer"]) if "decode_layer" in rows else []
     lines += _topk_lines(rows["topk"]) if "topk" in rows else []
     if "matvec" in rows:

@@ -46,7 +46,7 @@ from gpt.config import (ComputeConfig, ModelConfig, TrainConfig, build_train, pa
                         validate_compute)
 from gpt.errors import UserError  # noqa: E402
 from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
-from gpt.runtime import (cpu_native_bf16, dtype_note, loss_chunks_for, resolve,  # noqa: E402
+from gpt.runtime import (PALLAS_MODES, cpu_native_bf16, dtype_note, loss_chunks_for, resolve,  # noqa: E402
                          run_cpu_programs_inline)
 from gpt.train import make_optimizer, make_train_step, moe_training  # noqa: E402
 
@@ -54,10 +54,11 @@ CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
 BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling_n": int,
               "ceiling_reps": int, "runtime": str}
 # Runtime choices --runtime may override, for an A/B of one choice (on a GPU, in one device
-# call): the cross-entropy's one-pass logsumexp (GPU only), the MLP activation's recomputation and
-# the dense layers' hand-written backward (every backend); the attention kernel is train.py's own
-# --attention
-RUNTIME_KNOBS = ("lse_one_pass", "mlp_recompute", "dense_vjp")
+# call), with their values' types: the cross-entropy's one-pass logsumexp (GPU only), the MLP
+# activation's recomputation, the dense layers' hand-written backward (every backend) and the
+# loss's kernel (gpt/ops/xent_kernel.py: triton on a GPU, interpret elsewhere); the attention
+# kernel is train.py's own --attention
+RUNTIME_KNOBS = {"lse_one_pass": bool, "mlp_recompute": bool, "dense_vjp": bool, "xent_kernel": str}
 BENCH_DEFAULTS = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10,
                   "runtime": ""}
 
@@ -98,7 +99,9 @@ def runtime_override(text: str) -> dict:
         if key not in RUNTIME_KNOBS or not sep:
             raise UserError(f"--runtime={text}: {item!r} is not KEY=VALUE with KEY one of "
                             f"{', '.join(RUNTIME_KNOBS)}")
-        out[key] = parse_value(f"runtime {key}", raw, bool)
+        out[key] = parse_value(f"runtime {key}", raw, RUNTIME_KNOBS[key])
+        if key == "xent_kernel" and out[key] not in PALLAS_MODES:
+            raise UserError(f"--runtime={text}: xent_kernel is one of {', '.join(map(repr, PALLAS_MODES))}")
     return out
 
 

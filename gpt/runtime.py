@@ -31,7 +31,7 @@ from gpt.ops.attention import ATTENTION_BLOCK
 
 _USER_ATTENTION = {"einsum": "reference", "xla": "xla", "cudnn": "cudnn"}
 DECODE_WEIGHTS = ("rows", "dot", "")  # Runtime.decode_weights
-DECODE_KERNELS = ("triton", "interpret", "")  # Runtime.decode_kernels
+PALLAS_MODES = ("triton", "interpret", "")  # Runtime.decode_kernels and Runtime.xent_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +73,18 @@ class Runtime:
     # "triton" on a GPU, "interpret" in Pallas's interpreter (tests), "" not at all. for_decoding
     # then keeps w_o and w_proj [in, out], the layout the kernels read by rows
     decode_kernels: str = ""
+    # The training loss's gradient over the logits as gpt/ops/xent_kernel.py's kernel (one read of
+    # the logits for the logsumexp and the gradient, applied to the head's products in the forward:
+    # `linear_cross_entropy`), "triton" or "interpret" as decode_kernels; "" XLA's passes. Off until
+    # a GPU has timed it (bench/train.py --runtime=xent_kernel=triton)
+    xent_kernel: str = ""
 
     def __post_init__(self) -> None:
         if self.decode_weights not in DECODE_WEIGHTS:  # a typo would transpose, then multiply wrongly
             raise ValueError(f"decode_weights={self.decode_weights!r}: one of {DECODE_WEIGHTS}")
-        if self.decode_kernels not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernels={self.decode_kernels!r}: one of {DECODE_KERNELS}")
+        for name in ("decode_kernels", "xent_kernel"):
+            if getattr(self, name) not in PALLAS_MODES:
+                raise ValueError(f"{name}={getattr(self, name)!r}: one of {PALLAS_MODES}")
 
 
 def decode_kernels_on(backend: str) -> str:

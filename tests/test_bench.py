@@ -37,7 +37,7 @@ def test_bench_train_smoke():
 
 def test_bench_runtime_override():
     """--runtime replaces resolved Runtime choices (a GPU A/B of one choice); anything but a known
-    KEY=true|false is one line naming it."""
+    KEY=true|false (xent_kernel: triton|interpret|"") is one line naming it."""
     from bench.train import Variant, runtime_only, runtime_override
     from gpt.config import ComputeConfig, TrainConfig
     from gpt.errors import UserError
@@ -46,8 +46,9 @@ def test_bench_runtime_override():
         "lse_one_pass": False, "mlp_recompute": True}
     assert runtime_override("") == {}
     assert runtime_override("dense_vjp=0") == {"dense_vjp": False}  # train.py's spellings of a bool
+    assert runtime_override("xent_kernel=interpret") == {"xent_kernel": "interpret"}
     for bad, says in (("foo=1", "foo"), ("dense_vjp", "dense_vjp"), ("dense_vjp=maybe", "true or false"),
-                      ("dtype=true", "dtype")):
+                      ("dtype=true", "dtype"), ("xent_kernel=cuda", "triton")):
         with pytest.raises(UserError, match=says):
             runtime_override(bad)
     assert runtime_only(["--runtime=mlp_recompute=false", "--preset=tiny"]) == (
@@ -409,8 +410,8 @@ def test_decode_layer_mixed_chains_match_xlas():
 @pytest.mark.slow  # 20 s: both tools in Pallas's interpreter
 def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     """bench/gpu.py --parts=kernels: the sampler with and without the decoding kernels, and
-    decode_layer.py, topk.py and matvec.py run, their values are checked and gpu.md tables them
-    (no timings of the kernels' variants off a GPU)."""
+    xent.py, decode_layer.py, topk.py and matvec.py run, their values are checked and gpu.md
+    tables them (no timings of the kernels' variants off a GPU)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}", "--size=tiny",
                         "--parts=kernels"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -425,6 +426,8 @@ def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     assert "One-row products (bench/matvec.py): exit 0" in md
     assert [r["decode_kernels"] for r in rows["sampler"]["results"]] == [False, True]
     assert "| compute | tiny, kernels | 1 |" in md
+    assert rows["xent"]["exit"] == 0 and all(v["passed"] and "us" not in v for v in rows["xent"]["variants"].values())
+    assert "| rows W4096 w8 | - | - |" in md
 
 
 def test_gpu_suite_tables_kernel_timings():
@@ -444,8 +447,16 @@ def test_gpu_suite_tables_kernel_timings():
                        "pallas": {"error": "OutOfResources", "attention": "pallas a", "mlp": "atomic BF16 BK256 w4"}}}
     topk = {"k": 200, "vocab": 50304, "exact": {"lax.top_k": True, "two-stage C1024": False}, "exit": 1,
             "us": {"lax.top_k": 35.0, "two-stage C1024": 12.5}}
-    kernels = {"decode_layer": layer, "topk": topk, "matvec": {"error": "timed out"}}
+    xent = {"rows": 65536, "padded": 50304, "gb": 13.2, "exit": 1, "variants": {
+        "xla": {"lse": 0.0, "grad": 0.0, "passed": True, "us": 9460.0, "gbps": 1395.0},
+        "rows W4096 w8": {"lse": 2e-6, "grad": 0.02, "passed": False, "us": 4800.0, "gbps": 2750.0},
+        "rows W8192 w32": {"error": "OutOfResources: shared memory"}}}
+    kernels = {"xent": xent, "decode_layer": layer, "topk": topk, "matvec": {"error": "timed out"}}
     md = suite.markdown({"started": "", "parts": {"kernels": kernels}})
+    assert "[65536, 50304] logits (bench/xent.py, 13.2 GB read and written once): exit 1" in md
+    assert "| xla | 9460 | 1395 | 0.0e+00 | 0.0e+00 |" in md
+    assert "| rows W4096 w8 | 4800 | 2750 | 2.0e-06 | 2.0e-02 **off** |" in md
+    assert "| rows W8192 w32 | OutOfResources: shared memory | | | |" in md
     assert "| mlp | atomic BF16 BK256 w4 | 4.25 | 1 | 3.0e-03 | 1.0e-06 |" in md
     assert "| mlp | atomic BF32 BK256 w8 | x | | | |" in md and "exit 1 (a variant failed" in md
     assert "Per layer: XLA 27.50 us; the fastest Pallas blocks (of those whose values passed) 9.75 us." in md

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gpt.ops.xent_kernel import xent_rows
+
 
 def cross_entropy_reference(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """The reference: plain float32 formulas differentiated by JAX."""
@@ -101,6 +103,9 @@ class LinearCE(NamedTuple):
     dtype: Any  # the products' compute dtype (float32 accumulation)
     logits_dtype: Any  # what each chunk's logits are written in (Runtime.matmul_out)
     one_pass: bool = False  # the logsumexp as one reduction (Runtime.lse_one_pass)
+    # the gradient's pass as gpt/ops/xent_kernel.py's kernel, a program a row (Runtime.xent_kernel):
+    # "triton" (a GPU), "interpret" (Pallas's interpreter: tests) or "" (XLA's reductions)
+    kernel: str = ""
 
 
 def linear_cross_entropy(h_BTD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array, s: LinearCE) -> jax.Array:
@@ -128,6 +133,20 @@ def _chunk_terms(h_BCD, w_VD, y_BC, s: LinearCE):
                             preferred_element_type=jnp.float32).astype(s.logits_dtype)
     logits_BCV = jnp.where(jnp.arange(w_VD.shape[0]) < s.vocab_size, logits_BCV, -jnp.inf)
     return (logits_BCV, *_lse_and_target(logits_BCV, y_BC, s.one_pass))
+
+
+def _chunk_gradient(h_BCD, w_VD, y_BC, scale_BC, s: LinearCE):
+    """One chunk's logsumexp, target logits and (softmax - one-hot) * scale in the compute dtype:
+    XLA's passes, or one kernel a row (`s.kernel`, which takes the padded vocabulary itself)."""
+    if not s.kernel:
+        logits_BCV, lse_BC, target_BC = _chunk_terms(h_BCD, w_VD, y_BC, s)
+        return lse_BC, target_BC, _softmax_minus_onehot(logits_BCV, lse_BC, y_BC, scale_BC[..., None], s.dtype)
+    logits_BCV = jnp.einsum("bcd,vd->bcv", h_BCD.astype(s.dtype), w_VD,
+                            preferred_element_type=jnp.float32).astype(s.logits_dtype)
+    B, C, V = logits_BCV.shape
+    lse, target, d = xent_rows(logits_BCV.reshape(B * C, V), y_BC.reshape(-1), scale_BC.reshape(-1),
+                               s.vocab_size, interpret=s.kernel == "interpret")
+    return lse.reshape(B, C), target.reshape(B, C), d.reshape(B, C, V).astype(s.dtype)
 
 
 def _chunked(h_BTD, w_VD, targets_BT, s: LinearCE):
@@ -158,8 +177,7 @@ def _linear_ce_fwd(h_BTD, w_VD, targets_BT, s: LinearCE):
     def body(carry, x):
         total, dw_VD = carry
         h_BCD, y_BC, m_BC = x
-        logits_BCV, lse_BC, target_BC = _chunk_terms(h_BCD, wc_VD, y_BC, s)
-        d_BCV = _softmax_minus_onehot(logits_BCV, lse_BC, y_BC, m_BC[..., None] / n, s.dtype)
+        lse_BC, target_BC, d_BCV = _chunk_gradient(h_BCD, wc_VD, y_BC, m_BC / n, s)
         dh_BCD = jnp.einsum("bcv,vd->bcd", d_BCV, wc_VD, preferred_element_type=jnp.float32)
         dw_VD = dw_VD + jnp.einsum("bcv,bcd->vd", d_BCV, h_BCD.astype(s.dtype),
                                    preferred_element_type=jnp.float32)

@@ -1,0 +1,102 @@
+"""The cross-entropy's value and gradient over rows of logits, one Pallas (Triton) program a row.
+
+For GPT-2 at batch 64 x 1024 the logits are [65536, 50304] bf16, 6.6 GB. XLA compiles the loss over
+them to a reduction for the logsumexp (one read) and, in the backward, softmax - one-hot (a read
+and a write): 19.8 GB and 9.5 ms of the H200's 126.6 ms step, the logsumexp's read at under half
+the bandwidth (BENCHMARKS.md). Here program r takes row r: it reads the row in blocks of BV for
+the online (max, sum of exp) and the target's logit, then reads it again (the row is 100 KB, read
+a moment before, so mostly from L2) to write (softmax - one-hot) * scale in the logits' dtype.
+That is 13.2 GB from memory when the second read hits L2, and the gradient exists before the
+backward, so `gpt.ops.cross_entropy.linear_cross_entropy` applies it to the head's two products
+in the forward pass and the backward only scales them.
+
+Entries from `vocab` on (a padded vocabulary) count as -inf: probability 0, gradient 0. Finite
+logits are assumed (an entry of +inf gives NaN, where the reference gives +inf). A row's last block
+is pulled back to end at V, its columns already seen masked in the first pass (no load is masked);
+in the second it writes the same values again for them, which is why the gradient has its own
+buffer and does not overwrite the logits.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+F32 = jnp.float32
+BV = 4096  # columns a block: 16 a thread at 8 warps
+WARPS = 8
+
+
+def _block(x_ref, r, start, width: int, covered, vocab: int, t):
+    """Row r's columns [start, start + width) in float32: -inf before `covered` (seen in an
+    earlier block) and from `vocab` on; and the target's logit where it falls among them."""
+    cols = start + jnp.arange(width)
+    seen = (cols >= covered) & (cols < vocab)
+    x = jnp.where(seen, x_ref[r, pl.ds(start, width)].astype(F32), -jnp.inf)
+    return x, jnp.sum(jnp.where((cols == t) & (cols >= covered), x, 0.0))
+
+
+def _fold(carry, x):
+    """The running (max, sum of exp(x - max), target) with one more block: the old sum rescaled by
+    one exp; a max still -inf (every entry so far -inf) subtracts 0, not -inf (no NaN)."""
+    m, s = carry
+    m_new = jnp.maximum(m, jnp.max(x))
+    base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    return m_new, s * jnp.exp(m - base) + jnp.sum(jnp.exp(x - base))
+
+
+def _starts(V: int, width: int) -> tuple[int, int]:
+    """(full blocks, start of the pulled-back last block or -1 when the blocks tile V)."""
+    return V // width, (V - width if V % width else -1)
+
+
+def _row_kernel(t_ref, s_ref, x_ref, lse_ref, tv_ref, d_ref, *, vocab: int, width: int):
+    r = pl.program_id(0)
+    t, scale = t_ref[r], s_ref[r]
+    full, tail = _starts(x_ref.shape[1], width)
+
+    def first(i, c):
+        x, tv = _block(x_ref, r, pl.multiple_of(i * width, width), width, 0, vocab, t)
+        return (*_fold(c[:2], x), c[2] + tv)
+
+    m, s, tv = jax.lax.fori_loop(0, full, first, (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)))
+    if tail >= 0:
+        x, tail_tv = _block(x_ref, r, tail, width, full * width, vocab, t)
+        (m, s), tv = _fold((m, s), x), tv + tail_tv
+    lse = m + jnp.log(s)
+    lse_ref[r], tv_ref[r] = lse, tv
+
+    def second(start):
+        cols = start + jnp.arange(width)
+        p = jnp.where(cols < vocab, jnp.exp(x_ref[r, pl.ds(start, width)].astype(F32) - lse), 0.0)
+        d_ref[r, pl.ds(start, width)] = ((p - (cols == t)) * scale).astype(d_ref.dtype)
+
+    jax.lax.fori_loop(0, full, lambda i, _: second(pl.multiple_of(i * width, width)), None)
+    if tail >= 0:
+        second(tail)
+
+
+def block_width(V: int, cap: int = BV) -> int:
+    """The largest power of two at most V and `cap`: Triton's blocks are powers of two."""
+    return min(cap, 1 << (V.bit_length() - 1))
+
+
+def xent_rows(logits_RV: jax.Array, targets_R: jax.Array, scale_R: jax.Array, vocab: int, *,
+              interpret: bool = False, width: int = BV, warps: int = WARPS
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's logsumexp and target logit (float32 [R]) and the gradient of
+    sum_r scale_r (lse_r - target_r) with respect to the logits, (softmax - one-hot) * scale, in
+    the logits' dtype [R, V]. Entries from `vocab` on count as -inf. `interpret`: Pallas's
+    interpreter (off a GPU: tests)."""
+    R, V = logits_RV.shape
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plt
+        params = plt.CompilerParams(num_warps=warps, num_stages=1)
+    row = jax.ShapeDtypeStruct((R,), F32)
+    kernel = functools.partial(_row_kernel, vocab=vocab, width=block_width(V, width))
+    return pl.pallas_call(kernel, grid=(R,), interpret=interpret, compiler_params=params,
+                          out_shape=(row, row, jax.ShapeDtypeStruct((R, V), logits_RV.dtype)))(
+        targets_R.astype(jnp.int32), scale_R.astype(F32), logits_RV)
