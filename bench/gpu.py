@@ -41,6 +41,7 @@ loss.png; both summaries are rewritten after each part, so a suite cut short sti
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -104,7 +105,7 @@ def sizes(size: str) -> dict:
                     spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16,
                     xla_train=["--batch_size=4"], profile_decode=["--config=tiny", "--new_tokens=8"],
                     kernels=["--chain=3", "--reps=1"], xent=["--rows=16", "--vocab=100", "--padded=128",
-                                                              "--reps=1"])
+                                                              "--reps=1"], test_workers=[])
     # chains of 5 steps synchronised once, as train.py runs them (bench/train.py --chain)
     return dict(train_preset="gpt2", train_variants=TRAIN_FULL,
                 steps=["--steps=10", "--warmup=3", "--chain=5"],
@@ -113,7 +114,7 @@ def sizes(size: str) -> dict:
                              "--log_interval=10"],
                 spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"], distill_rows=2560,
                 xla_train=["--batch_size=64"], profile_decode=["--config=gpt2", "--new_tokens=64"],
-                kernels=[], xent=[])
+                kernels=[], xent=[], test_workers=gpu_check_workers())
 
 
 class Runner:
@@ -174,11 +175,18 @@ def log_message(line: str) -> str:
     return re.sub(r"^[FEWI]\d{4} [\d:.]+\s+\d+ \S+\] ", "", line)[:300]
 
 
+def gpu_check_workers() -> list[str]:
+    """pytest-xdist's options for the GPU checks (--size=full): 4 workers sharing the GPU where xdist
+    is installed (the device image has it), else none. The checks' time is mostly Triton's and
+    XLA's compilers on the host: one at a time, 17 checks took about 280 s of a 15-minute device
+    lease on the H200; the tests' conftest keeps each worker from taking the GPU's memory up front."""
+    return ["-n", "4"] if importlib.util.find_spec("xdist") else []
+
+
 def part_tests(r: Runner, sz: dict) -> dict:
-    # addopts emptied: the project's own (-n 2, pytest-xdist) would run two processes on one GPU, and
-    # the device image need not have xdist. Every module's GPU checks (tests/test_gpu.py's, and the
-    # kernels' own beside their CPU tests: tests/ops/test_decode_kernels.py)
-    rc, text, sec = r.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-m", "gpu",
+    # addopts emptied (the project's -n 2 is for 2-core CPUs): the workers are sz["test_workers"].
+    # Every module's GPU checks (tests/test_gpu.py's, and the kernels' own beside their CPU tests)
+    rc, text, sec = r.run([sys.executable, "-m", "pytest", "-o", "addopts=", *sz["test_workers"], "-m", "gpu",
                            "-p", "no:cacheprovider", "tests"])
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text)}
     res = {"exit": rc, "seconds": sec, **counts, "failures": re.findall(r"^FAILED (.*)$", text, flags=re.M)}

@@ -478,9 +478,12 @@ def test_gpu_suite_flags_gpu_checks_skipped_on_a_gpu(device, flagged):
         results = {"device": device}
 
         def run(self, cmd):
+            self.cmd = cmd
             return 0, "sssss\n5 skipped in 1.95s", 2.0
 
-    res = suite.part_tests(FakeRunner(), {})
+    runner = FakeRunner()
+    res = suite.part_tests(runner, {"test_workers": ["-n", "4"]})  # xdist's workers, as on a device
+    assert runner.cmd[runner.cmd.index("-n"):][:3] == ["-n", "4", "-m"]
     assert res["skipped"] == 5 and ("error" in res) == flagged
     assert ("5 GPU checks skipped on a GPU" in suite.markdown({"started": "", "parts": {"tests": res}})) == flagged
 
