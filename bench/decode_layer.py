@@ -139,7 +139,7 @@ def mlp_variants() -> dict[str, tuple[Callable, Callable]]:
     for BF, BK, warps, atomic, early in MLP_PALLAS:
         k = _kernels(BF=BF, BK=BK, mlp_warps=warps, early=early)
         block = functools.partial(dk.atomic_mlp, k=k) if atomic else _on_x(functools.partial(dk.mlp_rows, k=k))
-        out[f"{'atomic' if atomic else 'pallas'} BF{BF} BK{BK} w{warps}{' early' if early else ''}"] = (
+        out[f"{'atomic' if atomic else 'rows'} BF{BF} BK{BK} w{warps}{' early' if early else ''}"] = (
             lambda p: p, block)
     return out
 

@@ -498,13 +498,14 @@ def _xent_lines(row: dict) -> list[str]:
     lines = [f"The loss's pass over [{row.get('rows')}, {row.get('padded')}] logits (bench/xent.py, "
              f"{row.get('gb', float('nan')):.1f} GB read and written once): {_status(row)}", ""]
     if "variants" in row:
-        lines += ["| variant | us | GB/s | lse vs xla | gradient vs xla |", "|---|---|---|---|---|"]
+        lines += ["| variant | us | GB/s | lse vs xla | target vs xla | gradient vs xla |",
+                  "|---|---|---|---|---|---|"]
         for name, v in row["variants"].items():
             if "error" in v:
-                lines.append(f"| {name} | {v['error'][:80]} | | | |")
+                lines.append(f"| {name} | {v['error'][:80]} | | | | |")
                 continue
             timing = f"| {v['us']:.0f} | {v['gbps']:.0f} " if "us" in v else "| - | - "
-            lines.append(f"| {name} {timing}| {v['lse']:.1e} | {v['grad']:.1e}"
+            lines.append(f"| {name} {timing}| {v['lse']:.1e} | {v['target']:.1e} | {v['grad']:.1e}"
                          f"{'' if v.get('passed') else ' **off**'} |")
         lines.append("")
     return lines

@@ -102,6 +102,8 @@ def runtime_override(text: str) -> dict:
         out[key] = parse_value(f"runtime {key}", raw, RUNTIME_KNOBS[key])
         if key == "xent_kernel" and out[key] not in PALLAS_MODES:
             raise UserError(f"--runtime={text}: xent_kernel is one of {', '.join(map(repr, PALLAS_MODES))}")
+        if key == "xent_kernel" and out[key] == "triton" and jax.default_backend() != "gpu":
+            raise UserError(f"--runtime={text}: triton needs a GPU; use xent_kernel=interpret off one")
     return out
 
 

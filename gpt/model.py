@@ -563,8 +563,7 @@ class GPT(nnx.Module):
             logits_BTV, _, stats = self.forward(idx_BT, **kw)
             return cross_entropy(logits_BTV, targets_BT, rt.lse_one_pass), stats
         h_BTD, _, stats = self.forward(idx_BT, hidden=True, **kw)
-        s = LinearCE(max(chunks, 1), self.cfg.vocab_size, rt.dtype, rt.matmul_out, rt.lse_one_pass,
-                     rt.xent_kernel)
+        s = LinearCE(chunks, self.cfg.vocab_size, rt.dtype, rt.matmul_out, rt.lse_one_pass, rt.xent_kernel)
         return linear_cross_entropy(h_BTD, self.head[...], targets_BT, s), stats
 
     def _layers(self, x_BTD, cache: KVCache | None, positions_BT, mask_BTS, key, capacity_factor: float):

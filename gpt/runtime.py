@@ -85,6 +85,9 @@ class Runtime:
         for name in ("decode_kernels", "xent_kernel"):
             if getattr(self, name) not in PALLAS_MODES:
                 raise ValueError(f"{name}={getattr(self, name)!r}: one of {PALLAS_MODES}")
+        if self.xent_kernel and self.mesh is not None and self.mesh.size > 1:
+            # a pallas_call has no sharding rule: XLA would gather every row onto every device
+            raise ValueError("xent_kernel runs on one device; a mesh of several would gather the logits")
 
 
 def decode_kernels_on(backend: str) -> str:

@@ -48,7 +48,8 @@ def test_bench_runtime_override():
     assert runtime_override("dense_vjp=0") == {"dense_vjp": False}  # train.py's spellings of a bool
     assert runtime_override("xent_kernel=interpret") == {"xent_kernel": "interpret"}
     for bad, says in (("foo=1", "foo"), ("dense_vjp", "dense_vjp"), ("dense_vjp=maybe", "true or false"),
-                      ("dtype=true", "dtype"), ("xent_kernel=cuda", "triton")):
+                      ("dtype=true", "dtype"), ("xent_kernel=cuda", "triton"),
+                      ("xent_kernel=triton", "needs a GPU")):
         with pytest.raises(UserError, match=says):
             runtime_override(bad)
     assert runtime_only(["--runtime=mlp_recompute=false", "--preset=tiny"]) == (
@@ -312,7 +313,7 @@ def test_decode_layer_kernels_match_xlas_blocks():
     import jax
     from bench import decode_layer as dl
     mlp = dl.check_mlp(jax.random.key(3), d=256, f=512)
-    assert {"xla", "pallas BF16 BK256 w4", "atomic BF16 BK256 w4", "atomic BF8 BK256 w4 early"} <= set(mlp)
+    assert {"xla", "rows BF16 BK256 w4", "atomic BF16 BK256 w4", "atomic BF8 BK256 w4 early"} <= set(mlp)
     assert all(e["vs_xla"] < 1e-5 and 1e-4 < e["vs_float64"] < 1e-2 for n, e in mlp.items() if n != "xla")
     for pos in (300, 0, 256, 511):  # past two blocks of 256, no earlier position, a block's first, the last
         attn = dl.check_attention(jax.random.key(4), d=256, h=4, s=512, pos=pos)
@@ -360,6 +361,22 @@ def test_topk_in_two_stages_is_exactly_lax_top_k(monkeypatch):
     assert topk.check(jax.random.key(1), 200, 50304) == {"lax.top_k": True, "drops a tie": False}
 
 
+def test_xent_bench_checks_every_variant_against_xla(monkeypatch, capsys):
+    """bench/xent.py off a GPU: every variant's logsumexp, target logit and gradient checked
+    against XLA's (the kernels in the interpreter), no timings; one whose target logit is off
+    fails the run."""
+    from bench import xent
+    assert xent.main(["--rows=6", "--vocab=50", "--padded=64", "--reps=1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["variants"]) == 2 + len(xent.KERNELS)
+    assert all(v["passed"] and "us" not in v for v in out["variants"].values())
+    good = xent.variants
+    monkeypatch.setattr(xent, "variants", lambda vocab: {
+        **good(vocab), "off": lambda x, t, s: (lambda r: (r[0], r[1] + 1.0, r[2]))(good(vocab)["xla"](x, t, s))})
+    assert xent.main(["--rows=6", "--vocab=50", "--padded=64", "--reps=1"]) == 1
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["variants"]["off"]["target"] == 1.0
+
+
 def test_decode_layer_fastest_needs_passing_values():
     from bench import decode_layer as dl
     rows = {"xla": {"us": 1.0}, "a": {"us": 2.0}, "b": {"us": 3.0}, "c": {"error": "x"}, "d": {"us": 4.0}}
@@ -399,7 +416,7 @@ def test_decode_layer_mixed_chains_match_xlas():
         return np.asarray(flow.x, np.float64), [np.asarray(c, np.float64) for kv in new for c in kv], np.asarray(token.x)
 
     want = run("xla", "xla")
-    for a, m in [("xla", "atomic BF16 BK256 w4"), ("pallas BK256 BS64 w8", "pallas BF16 BK256 w4 early"),
+    for a, m in [("xla", "atomic BF16 BK256 w4"), ("pallas BK256 BS64 w8", "rows BF16 BK256 w4 early"),
                  ("split BQ32 BK256 BS128 w4", "atomic BF8 BK256 w4 early"), ("pallas BK256 BS128 w8", "atomic BF16 BK256 w4")]:
         got = run(a, m)
         assert np.linalg.norm(got[0] - want[0]) / np.linalg.norm(want[0]) < 1e-2, (a, m)
@@ -427,7 +444,7 @@ def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     assert [r["decode_kernels"] for r in rows["sampler"]["results"]] == [False, True]
     assert "| compute | tiny, kernels | 1 |" in md
     assert rows["xent"]["exit"] == 0 and all(v["passed"] and "us" not in v for v in rows["xent"]["variants"].values())
-    assert "| rows W4096 w8 | - | - |" in md
+    assert "| rows W4096 w8 s3 | - | - |" in md
 
 
 def test_gpu_suite_tables_kernel_timings():
@@ -448,15 +465,16 @@ def test_gpu_suite_tables_kernel_timings():
     topk = {"k": 200, "vocab": 50304, "exact": {"lax.top_k": True, "two-stage C1024": False}, "exit": 1,
             "us": {"lax.top_k": 35.0, "two-stage C1024": 12.5}}
     xent = {"rows": 65536, "padded": 50304, "gb": 13.2, "exit": 1, "variants": {
-        "xla": {"lse": 0.0, "grad": 0.0, "passed": True, "us": 9460.0, "gbps": 1395.0},
-        "rows W4096 w8": {"lse": 2e-6, "grad": 0.02, "passed": False, "us": 4800.0, "gbps": 2750.0},
-        "rows W8192 w32": {"error": "OutOfResources: shared memory"}}}
+        "xla": {"lse": 0.0, "target": 0.0, "grad": 0.0, "passed": True, "us": 9460.0, "gbps": 1395.0},
+        "rows W4096 w8 s3": {"lse": 2e-6, "target": 0.0, "grad": 0.02, "passed": False, "us": 4800.0,
+                             "gbps": 2750.0},
+        "rows W8192 w32 s3": {"error": "OutOfResources: shared memory"}}}
     kernels = {"xent": xent, "decode_layer": layer, "topk": topk, "matvec": {"error": "timed out"}}
     md = suite.markdown({"started": "", "parts": {"kernels": kernels}})
     assert "[65536, 50304] logits (bench/xent.py, 13.2 GB read and written once): exit 1" in md
-    assert "| xla | 9460 | 1395 | 0.0e+00 | 0.0e+00 |" in md
-    assert "| rows W4096 w8 | 4800 | 2750 | 2.0e-06 | 2.0e-02 **off** |" in md
-    assert "| rows W8192 w32 | OutOfResources: shared memory | | | |" in md
+    assert "| xla | 9460 | 1395 | 0.0e+00 | 0.0e+00 | 0.0e+00 |" in md
+    assert "| rows W4096 w8 s3 | 4800 | 2750 | 2.0e-06 | 0.0e+00 | 2.0e-02 **off** |" in md
+    assert "| rows W8192 w32 s3 | OutOfResources: shared memory | | | | |" in md
     assert "| mlp | atomic BF16 BK256 w4 | 4.25 | 1 | 3.0e-03 | 1.0e-06 |" in md
     assert "| mlp | atomic BF32 BK256 w8 | x | | | |" in md and "exit 1 (a variant failed" in md
     assert "Per layer: XLA 27.50 us; the fastest Pallas blocks (of those whose values passed) 9.75 us." in md

@@ -393,6 +393,7 @@ def test_chunked_loss_is_the_same_loss(arch):
         fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining(capacity_factor=1.25))[0]  # noqa: E731
         jaxpr = str(jax.make_jaxpr(fn)(params))
         assert ("_linear_ce" in jaxpr) == (chunks > 1 or bool(kernel))
+        assert ("pallas_call" in str(jax.make_jaxpr(jax.grad(fn))(params))) == bool(kernel)  # it ran
         results[chunks, kernel] = jax.jit(jax.value_and_grad(fn))(params), \
             evaluate.score_tokens(model, np.arange(45) % 61, batch_size=2)
     (la, ga), sa = results[1, ""]

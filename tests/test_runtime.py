@@ -244,3 +244,19 @@ def test_loss_chunks_auto_on_cpu_only():
     assert loss_chunks_for(0, 32, 128, 50304) == 32 and loss_chunks_for(0, 1, 64, 50304) == 1
     assert loss_chunks_for(1, 12, 64, 50304) == 1 and loss_chunks_for(5, 12, 64, 65) == 5
     assert loss_chunks_for(8, 1, 3, 65) == 3  # at most one slice per position (a short tail)
+
+
+def test_pallas_kernel_choices_are_checked():
+    """Runtime.decode_kernels and Runtime.xent_kernel take triton, interpret or nothing, off by
+    default; the loss kernel refuses a mesh of several devices (a pallas_call has no sharding
+    rule: XLA would gather every row of the logits onto every device)."""
+    import dataclasses
+    from types import SimpleNamespace
+    rt = resolve(tiny_model_config(), backend="gpu")
+    assert rt.xent_kernel == "" and rt.decode_kernels == ""
+    for field in ("xent_kernel", "decode_kernels"):
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(rt, **{field: "cuda"})
+    assert dataclasses.replace(rt, xent_kernel="triton", mesh=SimpleNamespace(size=1)).xent_kernel == "triton"
+    with pytest.raises(ValueError, match="one device"):
+        dataclasses.replace(rt, xent_kernel="triton", mesh=SimpleNamespace(size=2))

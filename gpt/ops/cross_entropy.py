@@ -10,7 +10,8 @@ elementwise pass. The forward's logsumexp is a max pass then a sum-of-exp pass o
 with `one_pass` a single reduction of (max, rescaled sum) pairs: on a GPU it reads the [B, T, V]
 logits once instead of twice (GPT-2 at batch 64 x 1024: 6.6 GB less per step), while on XLA:CPU,
 whose variadic reductions are not vectorised, it was slower (`gpt.runtime.Runtime.lse_one_pass`
-decides; figures in BENCHMARKS.md).
+decides; figures in BENCHMARKS.md). `linear_cross_entropy` can take the logsumexp and the gradient
+from one read of the logits instead, as gpt/ops/xent_kernel.py's Pallas kernel (`LinearCE.kernel`).
 """
 from __future__ import annotations
 
@@ -110,12 +111,13 @@ class LinearCE(NamedTuple):
 
 def linear_cross_entropy(h_BTD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array, s: LinearCE) -> jax.Array:
     """Mean cross-entropy of the logits h @ w^T against `targets_BT`, the head's product formed
-    `s.chunks` slices of T at a time inside the loss, so the [B, T, V] logits and their gradient
-    are never whole in memory (as Liger's fused linear cross-entropy and MaxText's vocabulary
-    tiling do). With a gradient, each chunk's softmax - one-hot is applied to both products of
-    the head's backward in the forward pass (nothing is recomputed); what the backward gets is
-    the two gradients, scaled by the incoming one. T need not divide into chunks: the last one
-    is padded, its padding masked out. Reverse-mode only (a custom VJP)."""
+    `s.chunks` slices of T at a time inside the loss, so that in more than one the [B, T, V] logits
+    and their gradient are never whole in memory (as Liger's fused linear cross-entropy and MaxText's
+    vocabulary tiling do); `s.kernel` takes each chunk's pass over its logits as
+    gpt/ops/xent_kernel.py's kernel. With a gradient, each chunk's softmax - one-hot is applied to
+    both products of the head's backward in the forward pass (nothing is recomputed); what the
+    backward gets is the two gradients, scaled by the incoming one. T need not divide into chunks: the
+    last one is padded, its padding masked out. Reverse-mode only (a custom VJP)."""
     return _linear_ce(h_BTD, w_VD, targets_BT, s)
 
 
@@ -127,11 +129,15 @@ def _in_chunks(a_BT: jax.Array, k: int) -> jax.Array:
     return jnp.moveaxis(a_BT.reshape(B, k, C, *a_BT.shape[2:]), 1, 0)
 
 
+def _chunk_logits(h_BCD, w_VD, s: LinearCE) -> jax.Array:
+    """One chunk's logits over the padded vocabulary, in s.logits_dtype (float32 sums)."""
+    return jnp.einsum("bcd,vd->bcv", h_BCD.astype(s.dtype), w_VD,
+                      preferred_element_type=jnp.float32).astype(s.logits_dtype)
+
+
 def _chunk_terms(h_BCD, w_VD, y_BC, s: LinearCE):
     """One chunk's logits (padded vocabulary entries -inf), their logsumexp and the targets'."""
-    logits_BCV = jnp.einsum("bcd,vd->bcv", h_BCD.astype(s.dtype), w_VD,
-                            preferred_element_type=jnp.float32).astype(s.logits_dtype)
-    logits_BCV = jnp.where(jnp.arange(w_VD.shape[0]) < s.vocab_size, logits_BCV, -jnp.inf)
+    logits_BCV = jnp.where(jnp.arange(w_VD.shape[0]) < s.vocab_size, _chunk_logits(h_BCD, w_VD, s), -jnp.inf)
     return (logits_BCV, *_lse_and_target(logits_BCV, y_BC, s.one_pass))
 
 
@@ -140,13 +146,13 @@ def _chunk_gradient(h_BCD, w_VD, y_BC, scale_BC, s: LinearCE):
     XLA's passes, or one kernel a row (`s.kernel`, which takes the padded vocabulary itself)."""
     if not s.kernel:
         logits_BCV, lse_BC, target_BC = _chunk_terms(h_BCD, w_VD, y_BC, s)
-        return lse_BC, target_BC, _softmax_minus_onehot(logits_BCV, lse_BC, y_BC, scale_BC[..., None], s.dtype)
-    logits_BCV = jnp.einsum("bcd,vd->bcv", h_BCD.astype(s.dtype), w_VD,
-                            preferred_element_type=jnp.float32).astype(s.logits_dtype)
+        d_BCV = _softmax_minus_onehot(logits_BCV, lse_BC, y_BC, scale_BC[..., None], s.dtype)
+        return lse_BC, target_BC, d_BCV
+    logits_BCV = _chunk_logits(h_BCD, w_VD, s)
     B, C, V = logits_BCV.shape
-    lse, target, d = xent_rows(logits_BCV.reshape(B * C, V), y_BC.reshape(-1), scale_BC.reshape(-1),
-                               s.vocab_size, interpret=s.kernel == "interpret")
-    return lse.reshape(B, C), target.reshape(B, C), d.reshape(B, C, V).astype(s.dtype)
+    lse_R, target_R, d_RV = xent_rows(logits_BCV.reshape(B * C, V), y_BC.reshape(-1), scale_BC.reshape(-1),
+                                      s.vocab_size, interpret=s.kernel == "interpret")
+    return lse_R.reshape(B, C), target_R.reshape(B, C), d_RV.reshape(B, C, V).astype(s.dtype)
 
 
 def _chunked(h_BTD, w_VD, targets_BT, s: LinearCE):

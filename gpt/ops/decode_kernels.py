@@ -20,11 +20,12 @@ of the bandwidth bound. Here each block of a layer reads its weights once, in fe
   weight; the split block's q/k/v kernel spreads it over more.
 
 A block's programs cannot order a residual add among themselves, so the stream moves as a `Flow`:
-each block adds into a buffer of zeros. Keys are read [N, K, S] and values [N, S, K] (the model's
-cache with its layer, batch and head axes flattened: `head0` is the layer's first head), and the
-new token's written in place. Products take inputs rounded to `dtype` (the sampler's compute dtype) and sum in
-float32, as XLA's blocks do. Off a GPU the kernels run in Pallas's interpreter (`interpret`): their
-values are checked there, their speed only on a GPU (bench/decode_layer.py times the variants).
+each one-kernel block adds into a buffer of zeros (the rows MLP leaves the sum to XLA). Keys are
+read [N, K, S] and values [N, S, K] (the model's cache with its layer, batch and head axes
+flattened: `head0` is the layer's first head), and the new token's written in place. Products take
+inputs rounded to `dtype` (the sampler's compute dtype) and sum in float32, as XLA's blocks do. Off
+a GPU the kernels run in Pallas's interpreter (`interpret`): their values are checked there, their
+speed only on a GPU (bench/decode_layer.py times the variants).
 """
 from __future__ import annotations
 
@@ -222,7 +223,8 @@ def _residual_row(o_ref, x_ref, b_ref, BK: int) -> None:
 
 def _mlp_kernel(x_ref, s_ref, b_ref, wfc_ref, bfc_ref, wp_ref, bp_ref, *refs, k: Kernels, atomic: bool):
     """Program j: hidden units [j BF, (j+1) BF) through fc, GELU and proj, into the output: its
-    partial row j, or (`atomic`) added into the flow's zeros, whose spare buffer it clears."""
+    partial row j (and program 0 x plus the bias as the last row), or (`atomic`) added into the
+    flow's zeros, whose spare buffer it clears."""
     j = pl.program_id(0)
     rows = pl.ds(j * k.BF, k.BF)
     w_fc = _tiles(wfc_ref, rows, k.BK)
@@ -267,6 +269,7 @@ def atomic_mlp(flow: Flow, p: MLPParams, k: Kernels) -> Flow:
 def mlp_block(flow: Flow, p: MLPParams, k: Kernels) -> Flow:
     """The MLP block on the flow (`k.mlp`): `mlp_rows`, which leaves the flow's buffers alone, or
     `atomic_mlp`."""
+    assert k.mlp in ("rows", "atomic"), k.mlp
     if k.mlp == "atomic":
         return atomic_mlp(flow, p, k)
     return flow._replace(x=mlp_rows(flow.x, p, k))

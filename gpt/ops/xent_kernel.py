@@ -10,7 +10,8 @@ That is 13.2 GB from memory when the second read hits L2, and the gradient exist
 backward, so `gpt.ops.cross_entropy.linear_cross_entropy` applies it to the head's two products
 in the forward pass and the backward only scales them.
 
-Entries from `vocab` on (a padded vocabulary) count as -inf: probability 0, gradient 0. Finite
+Entries from `vocab` on (a padded vocabulary) count as -inf: probability 0, gradient 0 (-scale at
+a target there, whose loss is infinite, as XLA's path gives). Finite
 logits are assumed (an entry of +inf gives NaN, where the reference gives +inf). A row's last block
 is pulled back to end at V, its columns already seen masked in the first pass (no load is masked);
 in the second it writes the same values again for them, which is why the gradient has its own
@@ -27,6 +28,7 @@ from jax.experimental import pallas as pl
 F32 = jnp.float32
 BV = 4096  # columns a block: 16 a thread at 8 warps
 WARPS = 8
+STAGES = 3  # Triton's software pipelining of the block loops' loads (its own default)
 
 
 def _block(x_ref, r, start, width: int, covered, vocab: int, t):
@@ -53,29 +55,32 @@ def _starts(V: int, width: int) -> tuple[int, int]:
 
 
 def _row_kernel(t_ref, s_ref, x_ref, lse_ref, tv_ref, d_ref, *, vocab: int, width: int):
+    """Program r: row r's logsumexp and target logit from a first read of its blocks (the full
+    ones in a loop, then the pulled-back last one), its gradient written in a second read."""
     r = pl.program_id(0)
     t, scale = t_ref[r], s_ref[r]
     full, tail = _starts(x_ref.shape[1], width)
 
-    def first(i, c):
+    def fold_block(i, carry):
         x, tv = _block(x_ref, r, pl.multiple_of(i * width, width), width, 0, vocab, t)
-        return (*_fold(c[:2], x), c[2] + tv)
+        return (*_fold(carry[:2], x), carry[2] + tv)
 
-    m, s, tv = jax.lax.fori_loop(0, full, first, (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)))
+    start = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
+    m, s, tv = jax.lax.fori_loop(0, full, fold_block, start)
     if tail >= 0:
         x, tail_tv = _block(x_ref, r, tail, width, full * width, vocab, t)
         (m, s), tv = _fold((m, s), x), tv + tail_tv
     lse = m + jnp.log(s)
     lse_ref[r], tv_ref[r] = lse, tv
 
-    def second(start):
+    def write_gradient(start):
         cols = start + jnp.arange(width)
         p = jnp.where(cols < vocab, jnp.exp(x_ref[r, pl.ds(start, width)].astype(F32) - lse), 0.0)
         d_ref[r, pl.ds(start, width)] = ((p - (cols == t)) * scale).astype(d_ref.dtype)
 
-    jax.lax.fori_loop(0, full, lambda i, _: second(pl.multiple_of(i * width, width)), None)
+    jax.lax.fori_loop(0, full, lambda i, _: write_gradient(pl.multiple_of(i * width, width)), None)
     if tail >= 0:
-        second(tail)
+        write_gradient(tail)
 
 
 def block_width(V: int, cap: int = BV) -> int:
@@ -84,17 +89,18 @@ def block_width(V: int, cap: int = BV) -> int:
 
 
 def xent_rows(logits_RV: jax.Array, targets_R: jax.Array, scale_R: jax.Array, vocab: int, *,
-              interpret: bool = False, width: int = BV, warps: int = WARPS
+              interpret: bool = False, width: int = BV, warps: int = WARPS, stages: int = STAGES
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each row's logsumexp and target logit (float32 [R]) and the gradient of
     sum_r scale_r (lse_r - target_r) with respect to the logits, (softmax - one-hot) * scale, in
     the logits' dtype [R, V]. Entries from `vocab` on count as -inf. `interpret`: Pallas's
-    interpreter (off a GPU: tests)."""
+    interpreter (off a GPU: tests); width, warps and stages: Triton's block of columns, warps a
+    program and pipelined loads (bench/xent.py times them)."""
     R, V = logits_RV.shape
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=warps, num_stages=1)
+        params = plt.CompilerParams(num_warps=warps, num_stages=stages)
     row = jax.ShapeDtypeStruct((R,), F32)
     kernel = functools.partial(_row_kernel, vocab=vocab, width=block_width(V, width))
     return pl.pallas_call(kernel, grid=(R,), interpret=interpret, compiler_params=params,
