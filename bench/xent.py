@@ -5,13 +5,12 @@
 GPT-2's training step at batch 64 x 1024 scores [65536, 50304] bf16 logits. What the loss needs from
 them, each row's logsumexp and target logit and the gradient (softmax - one-hot) in bf16, XLA
 computes as a reduction and an elementwise pass (`xla`: the one-pass logsumexp the GPU runs; `xla
-two-pass`: a max then a sum), the kernel in one program a row (`rows W<width> w<warps> s<stages>`:
-its block of columns, warps and pipelined loads). Each variant's values are checked against `xla`'s
-first (the logsumexp within 1e-3, the target logit exactly, the gradient within bf16's rounding);
-then per variant: microseconds per call (best of three batches of --reps calls) and GB/s by the
-bytes it must move, the logits read once and the gradient written once. Off a GPU the kernel runs in
-Pallas's interpreter (a check of this script, not a speed). The last line printed is one JSON
-object.
+two-pass`: a max then a sum), the kernel in one program a row (`rows W<width> w<warps>`: its block
+of columns and warps). Each variant's values are checked against `xla`'s first (the logsumexp within
+1e-3, the target logit exactly, the gradient within bf16's rounding); then per variant: microseconds
+per call (best of three batches of --reps calls) and GB/s by the bytes it must move, the logits read
+once and the gradient written once. Off a GPU the kernel runs in Pallas's interpreter (a check of
+this script, not a speed). The last line printed is one JSON object.
 """
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ from gpt.ops import cross_entropy as ce  # noqa: E402
 from gpt.ops import xent_kernel as xk  # noqa: E402
 
 GPU = jax.default_backend() == "gpu"
-# (block width, warps, pipelined loads): the defaults, without pipelining, and other shapes
-KERNELS = [(4096, 8, 3), (4096, 8, 1), (4096, 16, 3), (8192, 16, 3), (8192, 32, 3), (2048, 4, 3)]
+KERNELS = [(4096, 8), (4096, 16), (8192, 16), (8192, 32), (2048, 4)]  # (block width, warps)
 
 
 def xla_rows(x_RV, t_R, s_R, vocab: int, one_pass: bool):
@@ -47,9 +45,9 @@ def xla_rows(x_RV, t_R, s_R, vocab: int, one_pass: bool):
 def variants(vocab: int) -> dict:
     out = {"xla": lambda x, t, s: xla_rows(x, t, s, vocab, True),
            "xla two-pass": lambda x, t, s: xla_rows(x, t, s, vocab, False)}
-    for width, warps, stages in KERNELS:
-        kw = dict(width=width, warps=warps, stages=stages, interpret=not GPU)
-        out[f"rows W{width} w{warps} s{stages}"] = lambda x, t, s, kw=kw: xk.xent_rows(x, t, s, vocab, **kw)
+    for width, warps in KERNELS:
+        kw = dict(width=width, warps=warps, interpret=not GPU)
+        out[f"rows W{width} w{warps}"] = lambda x, t, s, kw=kw: xk.xent_rows(x, t, s, vocab, **kw)
     return out
 
 

@@ -444,7 +444,7 @@ def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     assert [r["decode_kernels"] for r in rows["sampler"]["results"]] == [False, True]
     assert "| compute | tiny, kernels | 1 |" in md
     assert rows["xent"]["exit"] == 0 and all(v["passed"] and "us" not in v for v in rows["xent"]["variants"].values())
-    assert "| rows W4096 w8 s3 | - | - |" in md
+    assert "| rows W4096 w8 | - | - |" in md
 
 
 def test_gpu_suite_tables_kernel_timings():
@@ -466,15 +466,15 @@ def test_gpu_suite_tables_kernel_timings():
             "us": {"lax.top_k": 35.0, "two-stage C1024": 12.5}}
     xent = {"rows": 65536, "padded": 50304, "gb": 13.2, "exit": 1, "variants": {
         "xla": {"lse": 0.0, "target": 0.0, "grad": 0.0, "passed": True, "us": 9460.0, "gbps": 1395.0},
-        "rows W4096 w8 s3": {"lse": 2e-6, "target": 0.0, "grad": 0.02, "passed": False, "us": 4800.0,
-                             "gbps": 2750.0},
-        "rows W8192 w32 s3": {"error": "OutOfResources: shared memory"}}}
+        "rows W4096 w8": {"lse": 2e-6, "target": 0.0, "grad": 0.02, "passed": False, "us": 4800.0,
+                          "gbps": 2750.0},
+        "rows W8192 w32": {"error": "OutOfResources: shared memory"}}}
     kernels = {"xent": xent, "decode_layer": layer, "topk": topk, "matvec": {"error": "timed out"}}
     md = suite.markdown({"started": "", "parts": {"kernels": kernels}})
     assert "[65536, 50304] logits (bench/xent.py, 13.2 GB read and written once): exit 1" in md
     assert "| xla | 9460 | 1395 | 0.0e+00 | 0.0e+00 | 0.0e+00 |" in md
-    assert "| rows W4096 w8 s3 | 4800 | 2750 | 2.0e-06 | 0.0e+00 | 2.0e-02 **off** |" in md
-    assert "| rows W8192 w32 s3 | OutOfResources: shared memory | | | | |" in md
+    assert "| rows W4096 w8 | 4800 | 2750 | 2.0e-06 | 0.0e+00 | 2.0e-02 **off** |" in md
+    assert "| rows W8192 w32 | OutOfResources: shared memory | | | | |" in md
     assert "| mlp | atomic BF16 BK256 w4 | 4.25 | 1 | 3.0e-03 | 1.0e-06 |" in md
     assert "| mlp | atomic BF32 BK256 w8 | x | | | |" in md and "exit 1 (a variant failed" in md
     assert "Per layer: XLA 27.50 us; the fastest Pallas blocks (of those whose values passed) 9.75 us." in md

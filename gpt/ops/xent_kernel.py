@@ -28,7 +28,6 @@ from jax.experimental import pallas as pl
 F32 = jnp.float32
 BV = 4096  # columns a block: 16 a thread at 8 warps
 WARPS = 8
-STAGES = 3  # Triton's software pipelining of the block loops' loads (its own default)
 
 
 def _block(x_ref, r, start, width: int, covered, vocab: int, t):
@@ -89,18 +88,20 @@ def block_width(V: int, cap: int = BV) -> int:
 
 
 def xent_rows(logits_RV: jax.Array, targets_R: jax.Array, scale_R: jax.Array, vocab: int, *,
-              interpret: bool = False, width: int = BV, warps: int = WARPS, stages: int = STAGES
+              interpret: bool = False, width: int = BV, warps: int = WARPS
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each row's logsumexp and target logit (float32 [R]) and the gradient of
     sum_r scale_r (lse_r - target_r) with respect to the logits, (softmax - one-hot) * scale, in
     the logits' dtype [R, V]. Entries from `vocab` on count as -inf. `interpret`: Pallas's
-    interpreter (off a GPU: tests); width, warps and stages: Triton's block of columns, warps a
-    program and pipelined loads (bench/xent.py times them)."""
+    interpreter (off a GPU: tests); width and warps: Triton's block of columns and warps a program
+    (bench/xent.py times them)."""
     R, V = logits_RV.shape
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=warps, num_stages=stages)
+        # the loops' loads feed reductions, which Triton does not pipeline: 1 and 3 stages compiled
+        # to the same PTX (offline, H200)
+        params = plt.CompilerParams(num_warps=warps, num_stages=1)
     row = jax.ShapeDtypeStruct((R,), F32)
     kernel = functools.partial(_row_kernel, vocab=vocab, width=block_width(V, width))
     return pl.pallas_call(kernel, grid=(R,), interpret=interpret, compiler_params=params,
