@@ -79,6 +79,10 @@ TRAIN_FULL = {
     "b128-res": ["--batch_size=128", "--residual_dtype=compute"],  # 53.5 GB of temporaries (H200 compile)
     # the loss's pass over the logits as gpt/ops/xent_kernel.py's kernel, a program a row
     "b64-res-xent": ["--batch_size=64", "--residual_dtype=compute", "--runtime=xent_kernel=triton"],
+    # the MLP's bias and GELU, forward and backward, as gpt/ops/gelu_kernel.py's kernels; then both
+    "b64-res-gelu": ["--batch_size=64", "--residual_dtype=compute", "--runtime=gelu_kernel=triton"],
+    "b64-res-xent-gelu": ["--batch_size=64", "--residual_dtype=compute",
+                          "--runtime=xent_kernel=triton,gelu_kernel=triton"],
 }
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
 # XLA:GPU settings for the part "xla", aimed at what the H200 profile showed (BENCHMARKS.md): the

@@ -300,6 +300,12 @@ def _itemsize(shape: str) -> int:
     return _ITEMSIZE[found.group(1)] if found else 0
 
 
+def _result_type(rest: str) -> str:
+    """An instruction's result type: the text before its op's "(" (the rest of a line can name
+    other shapes, such as a custom call's operand_layout_constraints, that are not its result)."""
+    return rest[:re.search(r"\b[a-z][\w\-]*\(", rest).start()]
+
+
 def _kernel_bytes(rest: str, op: str, shapes: dict[str, str], comps: dict[str, list[str]]) -> int:
     """A kernel's result and operands in bytes: what it moves if it reads each of its operands
     once, or, of an operand a fusion only slices or gathers from, the entries it takes (at most
@@ -328,7 +334,7 @@ def kernels(comps: dict[str, list[str]], name: str) -> Kernels:
     kernel (the computation it names is not followed); a `call` (XLA:CPU's small calls, XLA:GPU's
     command buffers) or an async start launches what its computation does."""
     out = Kernels()
-    shapes = dict((_name(head), rest) for head, rest in (line.split(" = ", 1) for line in comps[name]))
+    shapes = {_name(head): _result_type(rest) for head, rest in (line.split(" = ", 1) for line in comps[name])}
     for line in comps[name]:
         head, rest = line.split(" = ", 1)
         op = re.search(r"\b([a-z][\w\-]*)\(", rest).group(1)

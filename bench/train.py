@@ -56,9 +56,11 @@ BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling
 # Runtime choices --runtime may override, for an A/B of one choice (on a GPU, in one device
 # call), with their values' types: the cross-entropy's one-pass logsumexp (GPU only), the MLP
 # activation's recomputation, the dense layers' hand-written backward (every backend) and the
-# loss's kernel (gpt/ops/xent_kernel.py: triton on a GPU, interpret elsewhere); the attention
-# kernel is train.py's own --attention
-RUNTIME_KNOBS = {"lse_one_pass": bool, "mlp_recompute": bool, "dense_vjp": bool, "xent_kernel": str}
+# Pallas kernels of the loss and of the MLP's activation (gpt/ops/xent_kernel.py,
+# gpt/ops/gelu_kernel.py: triton on a GPU, interpret elsewhere); the attention kernel is
+# train.py's own --attention
+RUNTIME_KNOBS = {"lse_one_pass": bool, "mlp_recompute": bool, "dense_vjp": bool, "xent_kernel": str,
+                 "gelu_kernel": str}
 BENCH_DEFAULTS = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10,
                   "runtime": ""}
 
@@ -100,11 +102,18 @@ def runtime_override(text: str) -> dict:
             raise UserError(f"--runtime={text}: {item!r} is not KEY=VALUE with KEY one of "
                             f"{', '.join(RUNTIME_KNOBS)}")
         out[key] = parse_value(f"runtime {key}", raw, RUNTIME_KNOBS[key])
-        if key == "xent_kernel" and out[key] not in PALLAS_MODES:
-            raise UserError(f"--runtime={text}: xent_kernel is one of {', '.join(map(repr, PALLAS_MODES))}")
-        if key == "xent_kernel" and out[key] == "triton" and jax.default_backend() != "gpu":
-            raise UserError(f"--runtime={text}: triton needs a GPU; use xent_kernel=interpret off one")
+        if RUNTIME_KNOBS[key] is str and out[key] not in PALLAS_MODES:
+            raise UserError(f"--runtime={text}: {key} is one of {', '.join(map(repr, PALLAS_MODES))}")
     return out
+
+
+def runs_here(override: dict) -> dict:
+    """`override`, if this backend can run it: Triton kernels need a GPU (kernel_count and
+    kernel_time compile them for one from any host, so only a timed run checks)."""
+    for key, value in override.items():
+        if value == "triton" and jax.default_backend() != "gpu":
+            raise UserError(f"--runtime={key}=triton needs a GPU; use {key}=interpret off one")
+    return override
 
 
 def runtime_only(argv: list[str]) -> tuple[dict, list[str]]:
@@ -217,7 +226,7 @@ def main(argv: list[str]) -> int:
         m, c, t, explicit = build_train(rest)
         if "vocab_size" not in explicit and t.tokenizer == "char":
             m = dataclasses.replace(m, vocab_size=CHAR_VOCAB)
-        override = runtime_override(opts["runtime"])
+        override = runs_here(runtime_override(opts["runtime"]))
         dtypes = [d for d in opts["dtypes"].split(",") if d] or [c.dtype]
         device = metrics_lib.device_name()
         native = jax.default_backend() != "cpu" or cpu_native_bf16()

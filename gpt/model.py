@@ -34,6 +34,7 @@ from gpt import moe as moe_lib
 from gpt import runtime as runtime_lib
 from gpt.config import ModelConfig
 from gpt.ops import decode_kernels as dk
+from gpt.ops import gelu_kernel as gelu_lib
 from gpt.ops.attention import attention, cached_attention, repeat_kv_heads
 from gpt.ops.cross_entropy import LinearCE, cross_entropy, linear_cross_entropy
 from gpt.ops.dense import contract_last, decode_dense, dense
@@ -213,6 +214,12 @@ def mlp_activation(fc_BTF: jax.Array, b_F: jax.Array | None, cfg: ModelConfig) -
     return jax.nn.gelu(fc_BTF, approximate=cfg.activation == "gelu_tanh")
 
 
+def gelu_kernel_fits(cfg: ModelConfig) -> bool:
+    """Whether gpt/ops/gelu_kernel.py computes this model's MLP activation: GPT-2's tanh GELU of
+    fc's product plus a bias."""
+    return cfg.mlp == "gelu" and cfg.activation == "gelu_tanh" and cfg.bias
+
+
 def _value(p: nnx.Param | None):
     return None if p is None else p[...]
 
@@ -380,14 +387,19 @@ class Block(nnx.Module):
             k_BTGK = rope(k_BTGK, positions_BT, cfg.rope_theta)
         return q_BTHK, k_BTGK, v_BTGK
 
-    def mlp(self, h_BTD, cfg: ModelConfig, mm, key=None, recompute: bool = True):
+    def mlp(self, h_BTD, cfg: ModelConfig, mm, key=None, recompute: bool = True, kernel: str = ""):
         """proj(activation(fc(h) + b_fc)) + b_proj. With `recompute` the activation is recomputed
         in the backward pass from fc's product, which is kept anyway, instead of keeping its
         intermediates (GELU's tanh, SiLU's sigmoid): each of those is a [B, T, F] array written in
         the forward pass and read in the backward (on a GPU, GPT-2 at batch 64: 0.8 GB a layer;
         BENCHMARKS.md). Under a remat policy the block is recomputed anyway, and a checkpoint
-        inside it would only add a third evaluation, so the caller passes False there."""
+        inside it would only add a third evaluation, so the caller passes False there. `kernel`
+        (`Runtime.gelu_kernel`) takes a recomputed tanh-GELU with its bias, forward and backward,
+        as gpt/ops/gelu_kernel.py's kernels."""
         fc_BTF = self.linear("w_fc", h_BTD, SPECS["w_fc_gated" if cfg.mlp == "swiglu" else "w_fc"], mm, key)
+        if kernel and recompute and gelu_kernel_fits(cfg):
+            h_BTF = gelu_lib.gelu_bias(fc_BTF, _value(self.b_fc), gelu_lib.Tiles(interpret=kernel == "interpret"))
+            return _add_bias(self.linear("w_proj", h_BTF, SPECS["w_proj"], mm, key), self.b_proj)
         act = functools.partial(mlp_activation, cfg=cfg)
         h_BTF = (jax.checkpoint(act) if recompute else act)(fc_BTF, _value(self.b_fc))
         return _add_bias(self.linear("w_proj", h_BTF, SPECS["w_proj"], mm, key), self.b_proj)
@@ -448,7 +460,7 @@ class Block(nnx.Module):
         else:
             # a remat policy recomputes the block anyway
             recompute = rt.mlp_recompute and rt.remat not in REMAT_POLICIES
-            mlp_BTD, stats = self.mlp(h_BTD, cfg, mm, lora_key, recompute), None
+            mlp_BTD, stats = self.mlp(h_BTD, cfg, mm, lora_key, recompute, rt.gelu_kernel), None
         return (x_BTD + dropout(mlp_BTD, rt.dropout, keys[2])).astype(x_BTD.dtype), stats
 
 

@@ -31,7 +31,7 @@ from gpt.ops.attention import ATTENTION_BLOCK
 
 _USER_ATTENTION = {"einsum": "reference", "xla": "xla", "cudnn": "cudnn"}
 DECODE_WEIGHTS = ("rows", "dot", "")  # Runtime.decode_weights
-PALLAS_MODES = ("triton", "interpret", "")  # Runtime.decode_kernels and Runtime.xent_kernel
+PALLAS_MODES = ("triton", "interpret", "")  # Runtime.decode_kernels, xent_kernel and gelu_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,16 +78,21 @@ class Runtime:
     # `linear_cross_entropy`), "triton" or "interpret" as decode_kernels; "" XLA's passes. Off until
     # a GPU has timed it (bench/train.py --runtime=xent_kernel=triton)
     xent_kernel: str = ""
+    # The MLP's bias and tanh-GELU, and their backward, as gpt/ops/gelu_kernel.py's kernels (GPT-2's
+    # block with the activation recomputed: `Block.mlp`), "triton" or "interpret" as above; "" XLA's
+    # fusions. Off until a GPU has timed it (bench/train.py --runtime=gelu_kernel=triton)
+    gelu_kernel: str = ""
 
     def __post_init__(self) -> None:
         if self.decode_weights not in DECODE_WEIGHTS:  # a typo would transpose, then multiply wrongly
             raise ValueError(f"decode_weights={self.decode_weights!r}: one of {DECODE_WEIGHTS}")
-        for name in ("decode_kernels", "xent_kernel"):
+        for name in ("decode_kernels", "xent_kernel", "gelu_kernel"):
             if getattr(self, name) not in PALLAS_MODES:
                 raise ValueError(f"{name}={getattr(self, name)!r}: one of {PALLAS_MODES}")
-        if self.xent_kernel and self.mesh is not None and self.mesh.size > 1:
+        if (self.xent_kernel or self.gelu_kernel) and self.mesh is not None and self.mesh.size > 1:
             # a pallas_call has no sharding rule: XLA would gather every row onto every device
-            raise ValueError("xent_kernel runs on one device; a mesh of several would gather the logits")
+            raise ValueError("xent_kernel and gelu_kernel run on one device; a mesh of several would "
+                             "gather their operands")
 
 
 def decode_kernels_on(backend: str) -> str:

@@ -37,8 +37,8 @@ def test_bench_train_smoke():
 
 def test_bench_runtime_override():
     """--runtime replaces resolved Runtime choices (a GPU A/B of one choice); anything but a known
-    KEY=true|false (xent_kernel: triton|interpret|"") is one line naming it."""
-    from bench.train import Variant, runtime_only, runtime_override
+    KEY=true|false (the kernels: triton|interpret|"") is one line naming it."""
+    from bench.train import Variant, runs_here, runtime_only, runtime_override
     from gpt.config import ComputeConfig, TrainConfig
     from gpt.errors import UserError
     from helpers import tiny_model_config
@@ -46,10 +46,14 @@ def test_bench_runtime_override():
         "lse_one_pass": False, "mlp_recompute": True}
     assert runtime_override("") == {}
     assert runtime_override("dense_vjp=0") == {"dense_vjp": False}  # train.py's spellings of a bool
-    assert runtime_override("xent_kernel=interpret") == {"xent_kernel": "interpret"}
+    assert runtime_override("xent_kernel=interpret,gelu_kernel=interpret") == {
+        "xent_kernel": "interpret", "gelu_kernel": "interpret"}
+    assert runtime_override("xent_kernel=triton") == {"xent_kernel": "triton"}  # compiled for a GPU anywhere
+    with pytest.raises(UserError, match="xent_kernel=triton needs a GPU"):  # timed only on one
+        runs_here({"xent_kernel": "triton", "dense_vjp": False})
     for bad, says in (("foo=1", "foo"), ("dense_vjp", "dense_vjp"), ("dense_vjp=maybe", "true or false"),
                       ("dtype=true", "dtype"), ("xent_kernel=cuda", "triton"),
-                      ("xent_kernel=triton", "needs a GPU")):
+                      ("gelu_kernel=cuda", "gelu_kernel is one of")):
         with pytest.raises(UserError, match=says):
             runtime_override(bad)
     assert runtime_only(["--runtime=mlp_recompute=false", "--preset=tiny"]) == (

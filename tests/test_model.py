@@ -403,6 +403,26 @@ def test_chunked_loss_is_the_same_loss(arch):
         assert sa[1] == sb[1] and abs(sa[0] - sb[0]) < 1e-4 * sa[1]
 
 
+def test_gelu_kernel_is_the_same_training_objective():
+    """Runtime.gelu_kernel: GPT-2's MLP activation and its backward as gpt/ops/gelu_kernel.py's
+    kernels (Pallas's interpreter here) give the training objective's value and every gradient of
+    XLA's, unrolled and scanned; a block without GPT-2's tanh GELU (SwiGLU) keeps XLA's."""
+    from gpt import train
+    x = tokens(2, 8, 61)
+    for cfg in (tiny_model_config(vocab_size=61), tiny_model_config(vocab_size=61, mlp="swiglu")):
+        for scan in (False, True):
+            results = {}
+            for kernel in ("", "interpret"):
+                gd, params = nnx.split(make(cfg, attention="reference", scan_layers=scan, gelu_kernel=kernel))
+                fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining())[0]  # noqa: E731
+                ran = "pallas_call" in str(jax.make_jaxpr(jax.grad(fn))(params))
+                assert ran == (bool(kernel) and cfg.mlp == "gelu")
+                results[kernel] = jax.jit(jax.value_and_grad(fn))(params)
+            (la, ga), (lb, gb) = results[""], results["interpret"]
+            np.testing.assert_allclose(float(la), float(lb), rtol=1e-6)
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), ga, gb)
+
+
 def test_chunked_loss_never_holds_the_logits():
     """The point of loss_chunks: the compiled training gradient's temporary memory shrinks, a
     [B, T, V] float32 array less, as the chunks' logits replace the whole (B x T x V = 8 x 64 x

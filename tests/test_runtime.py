@@ -247,16 +247,17 @@ def test_loss_chunks_auto_on_cpu_only():
 
 
 def test_pallas_kernel_choices_are_checked():
-    """Runtime.decode_kernels and Runtime.xent_kernel take triton, interpret or nothing, off by
-    default; the loss kernel refuses a mesh of several devices (a pallas_call has no sharding
-    rule: XLA would gather every row of the logits onto every device)."""
+    """Runtime.decode_kernels, xent_kernel and gelu_kernel take triton, interpret or nothing, off
+    by default; the training kernels refuse a mesh of several devices (a pallas_call has no
+    sharding rule: XLA would gather every row of their operands onto every device)."""
     import dataclasses
     from types import SimpleNamespace
     rt = resolve(tiny_model_config(), backend="gpu")
-    assert rt.xent_kernel == "" and rt.decode_kernels == ""
-    for field in ("xent_kernel", "decode_kernels"):
+    assert rt.xent_kernel == rt.decode_kernels == rt.gelu_kernel == ""
+    for field in ("xent_kernel", "decode_kernels", "gelu_kernel"):
         with pytest.raises(ValueError, match=field):
             dataclasses.replace(rt, **{field: "cuda"})
     assert dataclasses.replace(rt, xent_kernel="triton", mesh=SimpleNamespace(size=1)).xent_kernel == "triton"
-    with pytest.raises(ValueError, match="one device"):
-        dataclasses.replace(rt, xent_kernel="triton", mesh=SimpleNamespace(size=2))
+    for field in ("xent_kernel", "gelu_kernel"):
+        with pytest.raises(ValueError, match="one device"):
+            dataclasses.replace(rt, **{field: "triton"}, mesh=SimpleNamespace(size=2))
