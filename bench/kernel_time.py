@@ -111,6 +111,7 @@ def train_step_fn(rest: list[str]):
     spec.loader.exec_module(bt)
     from gpt.config import build_train
     override, rest = bt.runtime_only(rest)
+    override = bt.runs_here(override)
     m, c, t, _ = build_train(rest)
     v = bt.Variant(m, c, t, override)
     return lambda: v.run_steps(1, timed=False)

@@ -108,8 +108,9 @@ def runtime_override(text: str) -> dict:
 
 
 def runs_here(override: dict) -> dict:
-    """`override`, if this backend can run it: Triton kernels need a GPU (kernel_count and
-    kernel_time compile them for one from any host, so only a timed run checks)."""
+    """`override`, if this backend can run it: Triton kernels need a GPU (kernel_count compiles
+    them for a described one from any host, so it does not check; the runs here and in
+    kernel_time do)."""
     for key, value in override.items():
         if value == "triton" and jax.default_backend() != "gpu":
             raise UserError(f"--runtime={key}=triton needs a GPU; use {key}=interpret off one")

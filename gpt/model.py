@@ -394,14 +394,15 @@ class Block(nnx.Module):
         the forward pass and read in the backward (on a GPU, GPT-2 at batch 64: 0.8 GB a layer;
         BENCHMARKS.md). Under a remat policy the block is recomputed anyway, and a checkpoint
         inside it would only add a third evaluation, so the caller passes False there. `kernel`
-        (`Runtime.gelu_kernel`) takes a recomputed tanh-GELU with its bias, forward and backward,
-        as gpt/ops/gelu_kernel.py's kernels."""
+        (`Runtime.gelu_kernel`, training and evaluation only) takes GPT-2's tanh-GELU with its bias,
+        forward and backward, as gpt/ops/gelu_kernel.py's kernels, which always recompute it."""
         fc_BTF = self.linear("w_fc", h_BTD, SPECS["w_fc_gated" if cfg.mlp == "swiglu" else "w_fc"], mm, key)
-        if kernel and recompute and gelu_kernel_fits(cfg):
-            h_BTF = gelu_lib.gelu_bias(fc_BTF, _value(self.b_fc), gelu_lib.Tiles(interpret=kernel == "interpret"))
-            return _add_bias(self.linear("w_proj", h_BTF, SPECS["w_proj"], mm, key), self.b_proj)
-        act = functools.partial(mlp_activation, cfg=cfg)
-        h_BTF = (jax.checkpoint(act) if recompute else act)(fc_BTF, _value(self.b_fc))
+        if kernel and gelu_kernel_fits(cfg):
+            tiles = gelu_lib.Tiles(interpret=kernel == "interpret")
+            h_BTF = gelu_lib.gelu_bias(fc_BTF, _value(self.b_fc), tiles)
+        else:
+            act = functools.partial(mlp_activation, cfg=cfg)
+            h_BTF = (jax.checkpoint(act) if recompute else act)(fc_BTF, _value(self.b_fc))
         return _add_bias(self.linear("w_proj", h_BTF, SPECS["w_proj"], mm, key), self.b_proj)
 
     def experts(self, h_BTD, cfg: ModelConfig, rt: Runtime, capacity_factor: float
@@ -460,7 +461,8 @@ class Block(nnx.Module):
         else:
             # a remat policy recomputes the block anyway
             recompute = rt.mlp_recompute and rt.remat not in REMAT_POLICIES
-            mlp_BTD, stats = self.mlp(h_BTD, cfg, mm, lora_key, recompute, rt.gelu_kernel), None
+            kernel = rt.gelu_kernel if cache_write is None else ""  # decoding: not timed (a few rows)
+            mlp_BTD, stats = self.mlp(h_BTD, cfg, mm, lora_key, recompute, kernel), None
         return (x_BTD + dropout(mlp_BTD, rt.dropout, keys[2])).astype(x_BTD.dtype), stats
 
 

@@ -95,6 +95,14 @@ class Runtime:
                              "gather their operands")
 
 
+def on_mesh(rt: Runtime, mesh) -> Runtime:
+    """`rt` training over `mesh`. The Pallas training kernels (xent_kernel, gelu_kernel) have no
+    sharding rule and run on one device, so over a mesh of several they give way to XLA's path (a
+    GPU default would otherwise stop every sharded run)."""
+    several = mesh is not None and mesh.size > 1
+    return dataclasses.replace(rt, mesh=mesh, **(dict(xent_kernel="", gelu_kernel="") if several else {}))
+
+
 def decode_kernels_on(backend: str) -> str:
     """`Runtime.decode_kernels` that runs the decoding kernels on `backend`: Triton on a GPU,
     Pallas's interpreter elsewhere (tests, counts compiled for this host)."""

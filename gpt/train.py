@@ -39,7 +39,7 @@ from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict,
 from gpt.errors import UserError
 from gpt.model import GPT, abstract_model, flops_per_token, num_params
 from gpt.ops.cross_entropy import cross_entropy  # noqa: F401 - re-exported (the tests use it)
-from gpt.runtime import Runtime, dtype_note, loss_chunks_for, resolve
+from gpt.runtime import Runtime, dtype_note, loss_chunks_for, on_mesh, resolve
 from gpt.tokenizer import REPO_ROOT, atomic_write_bytes, load_tokenizer
 
 BUNDLED_CORPUS = REPO_ROOT / "data" / "shakespeare.txt"
@@ -536,7 +536,7 @@ def restore_state(checkpointer: ckpt.Checkpointer, state: State, shards: dict[st
 def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Run, State]:
     """Model, state (fresh or resumed), compiled steps, data and outputs: all before step one."""
     m, t = s.model_cfg, s.train_cfg
-    rt: Runtime = dataclasses.replace(resolve(m, s.compute_cfg), mesh=mesh)
+    rt: Runtime = on_mesh(resolve(m, s.compute_cfg), mesh)
     model_shape = abstract_model(m, t.seed, rt, s.lora)
     graphdef = nnx.graphdef(model_shape)
     tx = make_optimizer(t)

@@ -557,7 +557,7 @@ _HLO = """HloModule jit_decode, is_scheduled=true
   %b = (s32[], f32[4]{0}) parameter(0)
   %i = s32[] get-tuple-element(%b), index=0
   %x = f32[4]{0} get-tuple-element(%b), index=1
-  %g = f32[4]{0} custom-call(%x), custom_call_target="__cublas$gemm", backend_config={"k":"v"}
+  %g = f32[4]{0} custom-call(%x), custom_call_target="__cublas$gemm", operand_layout_constraints={f32[4]{0}}, backend_config={"k":"v"}
   %y = f32[4]{0} fusion(%g), kind=kLoop, calls=%fused_a
   %c = pred[] constant(true)
   %z = f32[4]{0} conditional(%c, %y, %y), true_computation=%then, false_computation=%else
@@ -599,6 +599,7 @@ def test_kernel_count_reads_loops_calls_and_branches():
     assert body.count() == (4 + 7 + 1, 4 + 7 + 2, 0)
     assert entry.count() == (1, 1, 1)  # the outer loop's length is unknown: left out, counted apart
     # bytes: a f32[4] operand and result are 32; the gemm reads the loop's tuple element x
+    # a custom call's operand types (operand_layout_constraints) are not part of what its users read
     assert body.moved == [32, 32, 32, 32] and kc.shape_bytes("(s32[], bf16[2,3]{1,0})") == 16
     assert len(body.flat()) == 4 + 7 + 2 and len(entry.flat()) == 1  # the largest branch
 

@@ -406,7 +406,8 @@ def test_chunked_loss_is_the_same_loss(arch):
 def test_gelu_kernel_is_the_same_training_objective():
     """Runtime.gelu_kernel: GPT-2's MLP activation and its backward as gpt/ops/gelu_kernel.py's
     kernels (Pallas's interpreter here) give the training objective's value and every gradient of
-    XLA's, unrolled and scanned; a block without GPT-2's tanh GELU (SwiGLU) keeps XLA's."""
+    XLA's, unrolled and scanned; a block without GPT-2's tanh GELU (SwiGLU) keeps XLA's, and so
+    does decoding (a few rows a step, never timed through them)."""
     from gpt import train
     x = tokens(2, 8, 61)
     for cfg in (tiny_model_config(vocab_size=61), tiny_model_config(vocab_size=61, mlp="swiglu")):
@@ -421,6 +422,9 @@ def test_gelu_kernel_is_the_same_training_objective():
             (la, ga), (lb, gb) = results[""], results["interpret"]
             np.testing.assert_allclose(float(la), float(lb), rtol=1e-6)
             jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), ga, gb)
+    model = make(tiny_model_config(vocab_size=61), attention="reference", gelu_kernel="interpret")
+    cache = M.init_cache(model.cfg, 2, 16, jnp.float32)
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda x: model(x, cache=cache))(x))
 
 
 def test_chunked_loss_never_holds_the_logits():

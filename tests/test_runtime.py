@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO, tiny_model_config
 from gpt.config import ComputeConfig
 from gpt.runtime import (compilation_cache_dir, compute_dtype, cpu_flags, cpu_native_bf16, decoding_dtype,
-                         dtype_note, resolve)
+                         dtype_note, on_mesh, resolve)
 
 
 @pytest.mark.parametrize("forced,want", [("1", jnp.bfloat16), ("0", jnp.float32)])
@@ -261,3 +261,8 @@ def test_pallas_kernel_choices_are_checked():
     for field in ("xent_kernel", "gelu_kernel"):
         with pytest.raises(ValueError, match="one device"):
             dataclasses.replace(rt, **{field: "triton"}, mesh=SimpleNamespace(size=2))
+    # training over a mesh (gpt.train): XLA's path over several devices, the kernels on one
+    on = dataclasses.replace(rt, xent_kernel="triton", gelu_kernel="triton")
+    assert on_mesh(on, SimpleNamespace(size=1)).gelu_kernel == "triton"
+    several = on_mesh(on, SimpleNamespace(size=8))
+    assert several.xent_kernel == several.gelu_kernel == "" and several.mesh.size == 8

@@ -38,10 +38,12 @@ class Tiles(NamedTuple):
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides n, at most cap (Triton's blocks are powers of two)."""
     return min(n & -n, cap)
 
 
 def fit(t: Tiles, R: int, F: int) -> Tiles:
+    """`t` with its tile shrunk to divide [R, F]: no tile runs past the array, so nothing is masked."""
     return t._replace(BR=_pow2_divisor(R, t.BR), BF=_pow2_divisor(F, t.BF))
 
 
@@ -58,6 +60,7 @@ def _biased(fc_ref, b_ref) -> tuple[jax.Array, jax.Array]:
 
 
 def _forward_kernel(fc_ref, b_ref, out_ref):
+    """The tile's gelu_tanh(fc + b), rounded once to the output's dtype."""
     a, t = _biased(fc_ref, b_ref)
     out_ref[...] = (0.5 * a * (1.0 + t)).astype(out_ref.dtype)
 
@@ -72,26 +75,31 @@ def _backward_kernel(fc_ref, b_ref, g_ref, d_ref, db_ref):
     db_ref[...] = jnp.sum(d, axis=0, keepdims=True)
 
 
-def _call(kernel, t: Tiles, R: int, F: int, n_tiled: int, out_shape):
-    """pallas_call over the (R / BR, F / BF) tiles: `n_tiled` [R, F] operands and the bias."""
-    tile = pl.BlockSpec((t.BR, t.BF), lambda i, j: (i, j))
-    bias = pl.BlockSpec((t.BF,), lambda i, j: (j,))
+def _tile(t: Tiles) -> pl.BlockSpec:
+    return pl.BlockSpec((t.BR, t.BF), lambda i, j: (i, j))
+
+
+def _call(kernel, t: Tiles, R: int, F: int, in_specs: list, out_specs: list, out_shape: list):
+    """pallas_call over the (R / BR, F / BF) tiles, Triton's warps on a GPU (one stage: a tile is
+    one load, nothing to pipeline)."""
     params = None
     if not t.interpret:
         from jax.experimental.pallas import triton as plt
         params = plt.CompilerParams(num_warps=t.warps, num_stages=1)
-    in_specs = [tile, bias] + [tile] * (n_tiled - 1)
-    out_specs = [tile, pl.BlockSpec((1, t.BF), lambda i, j: (i, j))][:len(out_shape)]
     return pl.pallas_call(kernel, grid=(R // t.BR, F // t.BF), in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, interpret=t.interpret, compiler_params=params)
+
+
+def _bias(t: Tiles) -> pl.BlockSpec:
+    return pl.BlockSpec((t.BF,), lambda i, j: (j,))
 
 
 def gelu_forward(fc_RF: jax.Array, b_F: jax.Array, t: Tiles = Tiles()) -> jax.Array:
     """gelu_tanh(fc + b) in fc's dtype [R, F]."""
     R, F = fc_RF.shape
     t = fit(t, R, F)
-    out = jax.ShapeDtypeStruct((R, F), fc_RF.dtype)
-    return _call(_forward_kernel, t, R, F, 1, [out])(fc_RF, b_F)[0]
+    out = [jax.ShapeDtypeStruct((R, F), fc_RF.dtype)]
+    return _call(_forward_kernel, t, R, F, [_tile(t), _bias(t)], [_tile(t)], out)(fc_RF, b_F)[0]
 
 
 def gelu_backward(fc_RF: jax.Array, b_F: jax.Array, g_RF: jax.Array, t: Tiles = Tiles()
@@ -100,7 +108,9 @@ def gelu_backward(fc_RF: jax.Array, b_F: jax.Array, g_RF: jax.Array, t: Tiles = 
     R, F = fc_RF.shape
     t = fit(t, R, F)
     out = [jax.ShapeDtypeStruct((R, F), fc_RF.dtype), jax.ShapeDtypeStruct((R // t.BR, F), F32)]
-    d_RF, db_PF = _call(_backward_kernel, t, R, F, 2, out)(fc_RF, b_F, g_RF)
+    partial_spec = pl.BlockSpec((1, t.BF), lambda i, j: (i, j))  # tile (i, j)'s column sums
+    d_RF, db_PF = _call(_backward_kernel, t, R, F, [_tile(t), _bias(t), _tile(t)], [_tile(t), partial_spec],
+                        out)(fc_RF, b_F, g_RF)
     return d_RF, db_PF.sum(0)
 
 
@@ -112,13 +122,15 @@ def gelu_bias(fc_BTF: jax.Array, b_F: jax.Array, t: Tiles = Tiles()) -> jax.Arra
 
 
 def _gelu_bias_fwd(fc_BTF, b_F, t):
+    """The activation, keeping only its inputs: the backward recomputes the rest in its kernel."""
     return gelu_bias(fc_BTF, b_F, t), (fc_BTF, b_F)
 
 
 def _gelu_bias_bwd(t, res, g_BTF):
+    """fc's gradient in its dtype, the bias's summed in float32 and cast to its own."""
     fc_BTF, b_F = res
     F = fc_BTF.shape[-1]
-    d_RF, db_F = gelu_backward(fc_BTF.reshape(-1, F), b_F, g_BTF.reshape(-1, F).astype(fc_BTF.dtype), t)
+    d_RF, db_F = gelu_backward(fc_BTF.reshape(-1, F), b_F, g_BTF.reshape(-1, F), t)
     return d_RF.reshape(fc_BTF.shape), db_F.astype(b_F.dtype)
 
 
