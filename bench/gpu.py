@@ -2,6 +2,7 @@
 
     python bench/gpu.py --out=DIR [--size=full|tiny] [--parts=tests,sample,curve,speculative,train]
                         [--train_variants=NAME,...] [--timeout=SEC] [--xla_flags="FLAGS;FLAGS..."]
+                        [--kernel_tools=xent,decode_layer,topk,matvec]
 
 Parts (each runs in its own process, so an out-of-memory variant or a crash is recorded and the
 suite goes on):
@@ -34,6 +35,7 @@ suite goes on):
   decoding step's MLP and attention blocks in their variants, and a whole greedy token against the
   copy bound), `bench/topk.py` (the sampler's top-k, exact variants) and `bench/matvec.py`
   (one-row products): whether fewer, fused kernels bring batch-1 decoding near the bandwidth bound.
+  Before them bench/xent.py times the training loss's kernel; --kernel_tools picks which run.
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -310,16 +312,19 @@ def part_profile(r: Runner, sz: dict) -> dict:
     return rows
 
 
-def part_kernels(r: Runner, sz: dict) -> dict:
+KERNEL_TOOLS = ("xent", "decode_layer", "topk", "matvec")  # the part "kernels": bench/<tool>.py
+
+
+def part_kernels(r: Runner, sz: dict, tools: list[str]) -> dict:
     """The sampler at batch 1 with XLA's layers and with gpt/ops/decode_kernels.py's (`bench/sample.py
-    --decode_kernels`), then bench/xent.py (the training loss's pass over the logits),
-    bench/decode_layer.py, bench/topk.py and bench/matvec.py: each row is
-    the tool's JSON (its values' errors and, on a GPU, its timings) with its exit status (1: a
-    variant's values were off)."""
+    --decode_kernels`), then `tools` of KERNEL_TOOLS: bench/xent.py (the training loss's pass over
+    the logits), bench/decode_layer.py, bench/topk.py and bench/matvec.py. Each row is the tool's
+    JSON (its values' errors and, on a GPU, its timings) with its exit status (1: a variant's
+    values were off)."""
     rc, text, _ = r.run(sample_cmd(sz, "1") + ["--decode_kernels"])
     rows = {"sampler": (last_json(text) if rc == 0 else None) or {"error": why_failed(rc, text)}}
     r.save("kernels", rows)
-    for tool in ("xent", "decode_layer", "topk", "matvec"):
+    for tool in tools:
         rc, text, _ = r.run([sys.executable, f"bench/{tool}.py", *sz["xent" if tool == "xent" else "kernels"]])
         res = last_json(text)
         rows[tool] = dict(res, exit=rc) if res else {"error": why_failed(rc, text)}
@@ -586,7 +591,12 @@ def main(argv: list[str]) -> int:
                     help='the part "xla": settings to compare with the baseline, ";" between them')
     ap.add_argument("--xla_programs", default="train,decode",
                     help='the part "xla": which of the training step and batch-1 decoding to time')
+    ap.add_argument("--kernel_tools", default=",".join(KERNEL_TOOLS),
+                    help='the part "kernels": which bench/<tool>.py to run after the sampler')
     args = ap.parse_args(argv)
+    tools = [x for x in args.kernel_tools.split(",") if x]
+    if set(tools) - set(KERNEL_TOOLS):
+        ap.error(f"--kernel_tools={args.kernel_tools}: some of {', '.join(KERNEL_TOOLS)}")
     parts = [x for x in args.parts.split(",") if x]
     bad = [x for x in parts if x not in PARTS + EXTRA_PARTS]
     if bad:
@@ -613,7 +623,7 @@ def main(argv: list[str]) -> int:
                "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz),
                "speculative": lambda: part_speculative(r, sz),
                "xla": lambda: part_xla(r, sz, settings, programs), "profile": lambda: part_profile(r, sz),
-               "kernels": lambda: part_kernels(r, sz)}[part]()
+               "kernels": lambda: part_kernels(r, sz, tools)}[part]()
         r.save(part, res)
     print(markdown(r.results))
     return 0

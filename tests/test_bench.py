@@ -365,6 +365,15 @@ def test_topk_in_two_stages_is_exactly_lax_top_k(monkeypatch):
     assert topk.check(jax.random.key(1), 200, 50304) == {"lax.top_k": True, "drops a tie": False}
 
 
+def test_gpu_suite_kernel_tools_are_checked(tmp_path, capsys):
+    """--kernel_tools names some of the part's tools; anything else is argparse's error (exit 2),
+    before the suite starts anything."""
+    from bench import gpu as suite
+    with pytest.raises(SystemExit) as e:
+        suite.main([f"--out={tmp_path}", "--parts=kernels", "--kernel_tools=xent,bogus"])
+    assert e.value.code == 2 and "--kernel_tools=xent,bogus: some of xent, decode_layer" in capsys.readouterr().err
+
+
 def test_xent_bench_checks_every_variant_against_xla(monkeypatch, capsys):
     """bench/xent.py off a GPU: every variant's logsumexp, target logit and gradient checked
     against XLA's (the kernels in the interpreter), no timings; one whose target logit is off
