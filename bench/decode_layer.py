@@ -47,15 +47,21 @@ from gpt.ops.norm import layer_norm  # noqa: E402
 D, F, H, EPS = 768, 3072, 12, 1e-5  # GPT-2's width, hidden width, heads and LayerNorm epsilon
 V = 50304  # GPT-2's vocabulary as the model pads it
 BF16, F32 = jnp.bfloat16, jnp.float32
-# MLP: (hidden units per program, input columns per load, warps, atomic, both weights loaded first)
+# MLP: (hidden units per program, input columns per load, warps, atomic, both weights loaded first).
+# The H200 timed the rows form fastest (9.5 us; atomic 11.8-15.5, BENCHMARKS.md): one atomic for
+# reference, then rows with more programs (BF 8), more warps, or shorter loads
 MLP_PALLAS = [(16, 256, 4, False, False), (16, 256, 4, False, True), (16, 256, 4, True, False),
-              (16, 256, 4, True, True), (8, 256, 4, True, True), (32, 256, 8, True, True)]
-# attention: (input columns per load, cache positions per block, warps)
-ATTENTION_PALLAS = [(256, 64, 8), (256, 128, 8), (256, 256, 8)]  # 4 warps spilled registers (ptxas)
+              (8, 256, 4, False, False), (16, 256, 8, False, False), (32, 256, 8, False, False),
+              (16, 128, 4, False, False)]
+# attention: (input columns per load, cache positions per block, warps); one kernel a block timed
+# 28.8-35.7 us on the H200, the split form 16.5-22.3: one for reference
+ATTENTION_PALLAS = [(256, 256, 8)]  # 4 warps spilled registers (ptxas)
 # the same in two kernels (`split_attention`): (q/k/v rows per program, columns, positions, warps,
-# the output rows loaded before the cache's, programs a head taking parts of its output rows)
-ATTENTION_SPLIT = [(32, 256, 128, 4, False, 1), (16, 256, 256, 8, False, 1), (16, 256, 256, 8, True, 1),
-                   (16, 256, 256, 8, True, 3)]
+# the output rows loaded before the cache's, programs a head taking parts of its output rows):
+# the former default, the default (out3), then its output rows in 6 programs a head (loads of
+# 128), more q/k/v programs (8 rows each), a shorter block of positions
+ATTENTION_SPLIT = [(16, 256, 256, 8, True, 1), (16, 256, 256, 8, True, 3), (16, 128, 256, 8, True, 6),
+                   (8, 256, 256, 8, True, 3), (16, 256, 128, 8, True, 3)]
 
 
 MLP, Attention = dk.MLPParams, dk.AttentionParams  # the kernels' parameters
