@@ -79,6 +79,10 @@ TRAIN_FULL = {
     # the loss in 8 slices of T (--loss_chunks): 21.2 instead of 26.9 GB of temporaries (H200 compile)
     "b64-res-ce8": ["--batch_size=64", "--residual_dtype=compute", "--loss_chunks=8"],
     "b128-res": ["--batch_size=128", "--residual_dtype=compute"],  # 53.5 GB of temporaries (H200 compile)
+    # b64-res timed in chains of 20 steps, not 5: the step came out 4.3 ms longer than the profile's
+    # span of its kernels (126.6 against 122.3 ms, BENCHMARKS.md); if the host's dispatch of a
+    # chain's first step is the difference, it shrinks to a quarter here
+    "b64-res-chain20": ["--batch_size=64", "--residual_dtype=compute", "--chain=20", "--steps=4", "--warmup=1"],
     # the loss's pass over the logits as gpt/ops/xent_kernel.py's kernel, a program a row
     "b64-res-xent": ["--batch_size=64", "--residual_dtype=compute", "--runtime=xent_kernel=triton"],
     # the MLP's bias and GELU, forward and backward, as gpt/ops/gelu_kernel.py's kernels; then both
@@ -203,9 +207,10 @@ def part_tests(r: Runner, sz: dict) -> dict:
 
 
 def train_cmd(sz: dict, flags: list[str]) -> list[str]:
-    """bench/train.py in bfloat16 on the size's preset, with `flags` (a variant's)."""
+    """bench/train.py in bfloat16 on the size's preset, with `flags` (a variant's, last: they may
+    replace the size's timing options)."""
     return [sys.executable, "bench/train.py", f"--preset={sz['train_preset']}", "--dtypes=bfloat16",
-            "--gradient_accumulation_steps=1", *flags, *sz["steps"]]
+            "--gradient_accumulation_steps=1", *sz["steps"], *flags]
 
 
 def sample_cmd(sz: dict, batches: str, weights: str = "compute") -> list[str]:

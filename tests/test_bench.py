@@ -365,6 +365,16 @@ def test_topk_in_two_stages_is_exactly_lax_top_k(monkeypatch):
     assert topk.check(jax.random.key(1), 200, 50304) == {"lax.top_k": True, "drops a tie": False}
 
 
+def test_gpu_suite_train_variant_flags_come_last():
+    """A train variant's flags follow the size's timing options, so a variant can replace them
+    (b64-res-chain20's chains of 20); bench/train.py takes the last of a repeated option."""
+    from bench import gpu as suite
+    from bench.train import split_bench_args
+    cmd = suite.train_cmd(suite.sizes("full"), suite.TRAIN_FULL["b64-res-chain20"])
+    opts, _ = split_bench_args(cmd[2:])
+    assert (opts["chain"], opts["steps"], opts["warmup"]) == (20, 4, 1)
+
+
 def test_gpu_suite_kernel_tools_are_checked(tmp_path, capsys):
     """--kernel_tools names some of the part's tools; anything else is argparse's error (exit 2),
     before the suite starts anything."""
