@@ -6,11 +6,12 @@ GPT-2's training step at batch 64 x 1024 scores [65536, 50304] bf16 logits. What
 them, each row's logsumexp and target logit and the gradient (softmax - one-hot) in bf16, XLA
 computes as a reduction and an elementwise pass (`xla`: the one-pass logsumexp the GPU runs; `xla
 two-pass`: a max then a sum), the kernel in one program a row (`rows W<width> w<warps>`: its block
-of columns and warps). Each variant's values are checked against `xla`'s first (the logsumexp within
-1e-3, the target logit exactly, the gradient within bf16's rounding); then per variant: microseconds
-per call (best of three batches of --reps calls) and GB/s by the bytes it must move, the logits read
-once and the gradient written once. Off a GPU the kernel runs in Pallas's interpreter (a check of
-this script, not a speed). The last line printed is one JSON object.
+of columns and warps; `held`: the row kept in registers between its two passes). Each variant's
+values are checked against `xla`'s first (the logsumexp within 1e-3, the target logit exactly, the
+gradient within bf16's rounding); then per variant: microseconds per call (best of three batches of
+--reps calls) and GB/s by the bytes it must move, the logits read once and the gradient written
+once. Off a GPU the kernel runs in Pallas's interpreter (a check of this script, not a speed). The
+last line printed is one JSON object.
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ from gpt.ops import cross_entropy as ce  # noqa: E402
 from gpt.ops import xent_kernel as xk  # noqa: E402
 
 GPU = jax.default_backend() == "gpu"
-KERNELS = [(4096, 8), (4096, 16), (8192, 16), (8192, 32), (2048, 4)]  # (block width, warps)
+# (block width, warps, the row held in registers between its passes rather than read twice)
+KERNELS = [(4096, 8, False), (4096, 16, False), (8192, 16, False), (8192, 32, False), (2048, 4, False),
+           (4096, 32, True), (2048, 32, True)]
 
 
 def xla_rows(x_RV, t_R, s_R, vocab: int, one_pass: bool):
@@ -45,9 +48,10 @@ def xla_rows(x_RV, t_R, s_R, vocab: int, one_pass: bool):
 def variants(vocab: int) -> dict:
     out = {"xla": lambda x, t, s: xla_rows(x, t, s, vocab, True),
            "xla two-pass": lambda x, t, s: xla_rows(x, t, s, vocab, False)}
-    for width, warps in KERNELS:
-        kw = dict(width=width, warps=warps, interpret=not GPU)
-        out[f"rows W{width} w{warps}"] = lambda x, t, s, kw=kw: xk.xent_rows(x, t, s, vocab, **kw)
+    for width, warps, hold in KERNELS:
+        kw = dict(width=width, warps=warps, hold=hold, interpret=not GPU)
+        name = f"rows W{width} w{warps}{' held' if hold else ''}"
+        out[name] = lambda x, t, s, kw=kw: xk.xent_rows(x, t, s, vocab, **kw)
     return out
 
 

@@ -30,9 +30,10 @@ SHAPES = [(128, 128, 32), (100, 97, 32), (100, 100, 64), (24, 20, 64)]
 
 
 @pytest.mark.parametrize("interpret", WHERE)
+@pytest.mark.parametrize("hold", [False, True], ids=["two reads", "held"])  # the row read twice, or held
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("V,vocab,width", SHAPES)
-def test_rows_match_float64(V, vocab, width, dtype, interpret):
+def test_rows_match_float64(V, vocab, width, dtype, hold, interpret):
     R, w = 9, xk.block_width(V, width)  # the width the kernel takes (at most V)
     x = (3.0 * jax.random.normal(jax.random.key(V), (R, V))).astype(dtype)
     # targets first and last of the vocabulary, on block edges, in the pulled-back block's columns
@@ -40,7 +41,8 @@ def test_rows_match_float64(V, vocab, width, dtype, interpret):
     t = jnp.array([0, vocab - 1, w - 1, w, (V // w) * w - 1, V - w, 5, vocab // 2, 1])
     t = jnp.clip(t, 0, vocab - 1)
     scale = jnp.linspace(0.1, 2.0, R)
-    lse, target, d = jax.jit(lambda a: xk.xent_rows(a, t, scale, vocab, interpret=interpret, width=width))(x)
+    lse, target, d = jax.jit(lambda a: xk.xent_rows(a, t, scale, vocab, interpret=interpret, width=width,
+                                                    hold=hold))(x)
     want = _reference(x, t, scale, vocab)
     assert d.dtype == x.dtype and d.shape == x.shape
     np.testing.assert_allclose(np.asarray(lse), want[0], rtol=1e-6)
