@@ -76,7 +76,13 @@ def _backward_kernel(fc_ref, b_ref, g_ref, d_ref, db_ref):
 
 
 def _tile(t: Tiles) -> pl.BlockSpec:
+    """Program (i, j)'s [BR, BF] tile of an [R, F] array."""
     return pl.BlockSpec((t.BR, t.BF), lambda i, j: (i, j))
+
+
+def _bias(t: Tiles) -> pl.BlockSpec:
+    """Program (i, j)'s BF entries of the bias."""
+    return pl.BlockSpec((t.BF,), lambda i, j: (j,))
 
 
 def _call(kernel, t: Tiles, R: int, F: int, in_specs: list, out_specs: list, out_shape: list):
@@ -88,10 +94,6 @@ def _call(kernel, t: Tiles, R: int, F: int, in_specs: list, out_specs: list, out
         params = plt.CompilerParams(num_warps=t.warps, num_stages=1)
     return pl.pallas_call(kernel, grid=(R // t.BR, F // t.BF), in_specs=in_specs, out_specs=out_specs,
                           out_shape=out_shape, interpret=t.interpret, compiler_params=params)
-
-
-def _bias(t: Tiles) -> pl.BlockSpec:
-    return pl.BlockSpec((t.BF,), lambda i, j: (j,))
 
 
 def gelu_forward(fc_RF: jax.Array, b_F: jax.Array, t: Tiles = Tiles()) -> jax.Array:

@@ -59,7 +59,6 @@ def _empty() -> tuple[jax.Array, jax.Array, jax.Array]:
     return jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0)
 
 
-
 def _starts(V: int, width: int) -> tuple[int, int]:
     """(full blocks, start of the pulled-back last block or -1 when the blocks tile V)."""
     return V // width, (V - width if V % width else -1)
