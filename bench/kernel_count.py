@@ -321,7 +321,7 @@ def _kernel_bytes(rest: str, op: str, shapes: dict[str, str], comps: dict[str, l
         entries = _entries_read(users, params[i]) if i in params else None
         full = shape_bytes(shapes.get(o, ""))
         read += full if entries is None or not full else min(full, entries * _itemsize(shapes[o]))
-    return shape_bytes(rest.split(op + "(", 1)[0]) + read
+    return shape_bytes(_result_type(rest)) + read
 
 
 def _name(head: str) -> str:

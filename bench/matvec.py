@@ -18,23 +18,22 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.experimental import pallas as pl
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+
+from gpt.ops.pallas_util import triton_params  # noqa: E402
 
 GPU = jax.default_backend() == "gpu"
 SHAPES = [(768, 2304), (768, 3072), (3072, 768), (768, 768)]  # [in, out]: qkv, fc, proj, attention out
 # (block of output columns, block of the input, input slices (split-K; 0: one per BK), warps)
 PALLAS = [(32, 256, 1, 4), (64, 256, 1, 4), (64, 256, 0, 4), (128, 128, 0, 4), (128, 256, 0, 8)]
-
-
-def _params(warps: int):
-    if not GPU:
-        return None
-    from jax.experimental.pallas import triton as plt
-    return plt.CompilerParams(num_warps=warps, num_stages=2)
 
 
 def matvec(x_D: jax.Array, w_DN: jax.Array, BN: int, BK: int, S: int, warps: int = 4) -> jax.Array:
@@ -54,7 +53,7 @@ def matvec(x_D: jax.Array, w_DN: jax.Array, BN: int, BK: int, S: int, warps: int
         o_ref[pl.program_id(1), pl.ds(n0, BN)] = acc
 
     part_SN = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((S, N), jnp.float32), grid=(N // BN, S),
-                             interpret=not GPU, compiler_params=_params(warps))(x_D, w_DN)
+                             interpret=not GPU, compiler_params=triton_params(warps, 2, not GPU))(x_D, w_DN)
     return part_SN.sum(0)
 
 

@@ -494,8 +494,8 @@ def main(argv: list[str]) -> int:
     for c in configs:
         if c not in PRESETS:
             ap.error(f"unknown config {c!r} (choose from {', '.join(PRESETS)})")
-        if args.decode_kernels and decode_kernels_problem(preset_model(c)):
-            ap.error(f"--decode_kernels: config {c} has {decode_kernels_problem(preset_model(c))}")
+        if args.decode_kernels and (problem := decode_kernels_problem(preset_model(c))):
+            ap.error(f"--decode_kernels: config {c} has {problem}")
     if args.distill_rows < 0 or (args.distill_rows and args.target_dir):
         ap.error("--distill_rows must be >= 0, and applies to a --pair trained here, not to --target_dir")
     if args.draft_iters < 0:

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from gpt.ops.pallas_util import pow2_at_most, pow2_divisor, triton_params
+
 F32 = jnp.float32
 GELU_C = 0.7978845608028654  # sqrt(2 / pi): GPT-2's tanh GELU
 
@@ -111,18 +113,13 @@ class Kernels(NamedTuple):
     interpret: bool = False  # Pallas's interpreter (off a GPU)
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    """The largest power of two that divides n, at most cap."""
-    return min(n & -n, cap)
-
-
 MAX_TILES = 8  # row tiles (d / BK) a kernel reads: 25 (GPT-2 XL's 1600 in tiles of 64) spilled registers
 EARLY_BYTES = 640  # the MLP's weight bytes a thread may hold `early`: GPT-2 to 1280 wide (ptxas, offline)
 
 
 def row_tiles(d: int, BK: int = Kernels().BK) -> int:
     """The tiles of a power of two (at most BK) that a row of d entries is read in."""
-    return d // _pow2_divisor(d, BK)
+    return d // pow2_divisor(d, BK)
 
 
 def fit(k: Kernels, d: int, f: int, head_dim: int, slots: int) -> Kernels:
@@ -130,8 +127,8 @@ def fit(k: Kernels, d: int, f: int, head_dim: int, slots: int) -> Kernels:
     (a power of two), BS to fit a cache of `slots` positions, and the MLP's weights loaded
     `early` only where they fit in registers (EARLY_BYTES; the flag also has the per-head
     attention kernel load its output rows before the cache, a smaller load)."""
-    k = k._replace(BK=_pow2_divisor(d, k.BK), BF=_pow2_divisor(f, k.BF), BQ=_pow2_divisor(head_dim, k.BQ),
-                   BS=min(k.BS, 1 << (slots.bit_length() - 1)))
+    k = k._replace(BK=pow2_divisor(d, k.BK), BF=pow2_divisor(f, k.BF), BQ=pow2_divisor(head_dim, k.BQ),
+                   BS=pow2_at_most(slots, k.BS))
     per_thread = 2 * k.BF * d * jnp.dtype(k.dtype).itemsize // (32 * k.mlp_warps)
     return k._replace(early=k.early and per_thread <= EARLY_BYTES, out_split=math.gcd(k.out_split, d // k.BK))
 
@@ -148,10 +145,7 @@ def round_to(a: jax.Array, dtype) -> jax.Array:
 
 def _call(kernel, k: Kernels, warps: int, **kw):
     """pl.pallas_call with Triton's warps on a GPU, or in the interpreter."""
-    params = None
-    if not k.interpret:
-        from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=warps, num_stages=2)
+    params = triton_params(warps, 2, k.interpret)
     return pl.pallas_call(kernel, interpret=k.interpret, compiler_params=params, **kw)
 
 

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from gpt.ops.pallas_util import pow2_divisor, triton_params
+
 F32 = jnp.float32
 GELU_C = math.sqrt(2.0 / math.pi)
 GELU_K = 0.044715
@@ -37,14 +39,9 @@ class Tiles(NamedTuple):
     interpret: bool = False
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    """The largest power of two that divides n, at most cap (Triton's blocks are powers of two)."""
-    return min(n & -n, cap)
-
-
 def fit(t: Tiles, R: int, F: int) -> Tiles:
     """`t` with its tile shrunk to divide [R, F]: no tile runs past the array, so nothing is masked."""
-    return t._replace(BR=_pow2_divisor(R, t.BR), BF=_pow2_divisor(F, t.BF))
+    return t._replace(BR=pow2_divisor(R, t.BR), BF=pow2_divisor(F, t.BF))
 
 
 def _tanh(u: jax.Array) -> jax.Array:
@@ -88,12 +85,9 @@ def _bias(t: Tiles) -> pl.BlockSpec:
 def _call(kernel, t: Tiles, R: int, F: int, in_specs: list, out_specs: list, out_shape: list):
     """pallas_call over the (R / BR, F / BF) tiles, Triton's warps on a GPU (one stage: a tile is
     one load, nothing to pipeline)."""
-    params = None
-    if not t.interpret:
-        from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=t.warps, num_stages=1)
     return pl.pallas_call(kernel, grid=(R // t.BR, F // t.BF), in_specs=in_specs, out_specs=out_specs,
-                          out_shape=out_shape, interpret=t.interpret, compiler_params=params)
+                          out_shape=out_shape, interpret=t.interpret,
+                          compiler_params=triton_params(t.warps, 1, t.interpret))
 
 
 def gelu_forward(fc_RF: jax.Array, b_F: jax.Array, t: Tiles = Tiles()) -> jax.Array:

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from gpt.ops.pallas_util import pow2_at_most, triton_params
+
 F32 = jnp.float32
 BV = 4096  # columns a block: 16 a thread at 8 warps
 WARPS = 8
@@ -112,7 +114,7 @@ def _held_row_kernel(t_ref, s_ref, x_ref, lse_ref, tv_ref, d_ref, *, vocab: int,
 
 def block_width(V: int, cap: int = BV) -> int:
     """The largest power of two at most V and `cap`: Triton's blocks are powers of two."""
-    return min(cap, 1 << (V.bit_length() - 1))
+    return pow2_at_most(V, cap)
 
 
 def xent_rows(logits_RV: jax.Array, targets_R: jax.Array, scale_R: jax.Array, vocab: int, *,
@@ -125,12 +127,9 @@ def xent_rows(logits_RV: jax.Array, targets_R: jax.Array, scale_R: jax.Array, vo
     `hold`: the row held in registers between its passes (`_held_row_kernel`; bench/xent.py times
     them)."""
     R, V = logits_RV.shape
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plt
-        # the loops' loads feed reductions, which Triton does not pipeline: 1 and 3 stages compiled
-        # to the same PTX (offline, H200)
-        params = plt.CompilerParams(num_warps=warps, num_stages=1)
+    # the loops' loads feed reductions, which Triton does not pipeline: 1 and 3 stages compiled to
+    # the same PTX (offline, H200)
+    params = triton_params(warps, 1, interpret)
     row = jax.ShapeDtypeStruct((R,), F32)
     row_kernel = _held_row_kernel if hold else _row_kernel
     kernel = functools.partial(row_kernel, vocab=vocab, width=block_width(V, width))
