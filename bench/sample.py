@@ -61,6 +61,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -454,7 +455,8 @@ def bench_speculative(args) -> dict:
     return row
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked: comma lists as lists, presets known, --dtype resolved."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,shakespeare-char,gpt2")
     ap.add_argument("--batches", default="1,16")
@@ -486,12 +488,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--spec_tokens", type=int, default=200, help="new tokens of the speculative comparison")
     ap.add_argument("--spec_batch", type=int, default=1)
     args = ap.parse_args(argv)
-    run_cpu_programs_inline()  # as sample.py runs
     args.dtype = decoding_dtype(args.dtype)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.baseline_batches = [int(b) for b in args.baseline_batches.split(",") if b]
-    configs = [c for c in args.configs.split(",") if c]
-    for c in configs:
+    args.configs = [c for c in args.configs.split(",") if c]
+    for c in args.configs:
         if c not in PRESETS:
             ap.error(f"unknown config {c!r} (choose from {', '.join(PRESETS)})")
         if args.decode_kernels and (problem := decode_kernels_problem(preset_model(c))):
@@ -500,6 +501,13 @@ def main(argv: list[str]) -> int:
         ap.error("--distill_rows must be >= 0, and applies to a --pair trained here, not to --target_dir")
     if args.draft_iters < 0:
         ap.error("--draft_iters must be >= 0 (0: --pair_iters)")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    run_cpu_programs_inline()  # as sample.py runs; before parse_args, whose dtype starts JAX's client
+    args = parse_args(argv)
+    configs = args.configs
     cache_dir = enable_compile_cache()
     device = metrics_lib.device_name()
     args.copy_gbps = metrics_lib.measure_copy_gbps()
@@ -521,7 +529,6 @@ def main(argv: list[str]) -> int:
                       "new_tokens": args.new_tokens, "weights": args.weights,
                       "copy_gbps": args.copy_gbps, "read_gbps": args.read_gbps, "results": rows,
                       "speculative": speculative}))
-    import shutil
     shutil.rmtree(cache_dir, ignore_errors=True)
     return 0
 

@@ -42,8 +42,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from gpt import metrics as metrics_lib  # noqa: E402
-from gpt.config import (ComputeConfig, ModelConfig, TrainConfig, build_train, parse_value,  # noqa: E402
-                        validate_compute)
+from gpt.config import (TRAIN_CLASSES, ComputeConfig, ModelConfig, TrainConfig, build_train,  # noqa: E402
+                        help_text, parse_value, validate_compute)
 from gpt.errors import UserError  # noqa: E402
 from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
 from gpt.runtime import (PALLAS_MODES, cpu_native_bf16, dtype_note, loss_chunks_for, resolve,  # noqa: E402
@@ -221,6 +221,10 @@ def bench(variants: list[Variant], opts: dict) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:  # this tool's options, then train.py's settings
+        print(__doc__.strip() + "\n\ntrain.py's settings, which this tool takes too:\n"
+              + help_text(TRAIN_CLASSES))
+        return 0
     try:
         opts, rest = split_bench_args(argv)
         run_cpu_programs_inline()  # as train.py runs

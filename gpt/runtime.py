@@ -111,7 +111,7 @@ def decode_kernels_on(backend: str) -> str:
 
 # The CPU's auto loss chunks (--loss_chunks=0): slices of about this many rows (B x positions),
 # once the padded vocabulary has at least this many entries (BENCHMARKS.md: on XLA:CPU the fused
-# head-and-loss was 1.2-1.5x faster for GPT-2's vocabulary, about even for small ones)
+# head-and-loss was 1.3-1.56x faster for GPT-2's vocabulary, about even for small ones)
 AUTO_CHUNK_ROWS, AUTO_CHUNK_MIN_VOCAB = 128, 4096
 
 

@@ -35,6 +35,14 @@ def test_bench_train_smoke():
     assert out["runtime"] == {"mlp_recompute": False}
 
 
+def test_bench_train_help():
+    """--help prints the tool's own options and train.py's settings, not an error."""
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "train.py"), "--help"], cwd=REPO,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--chain=K" in r.stdout and "--n_layer=" in r.stdout and "presets:" in r.stdout
+
+
 def test_bench_runtime_override():
     """--runtime replaces resolved Runtime choices (a GPU A/B of one choice); anything but a known
     KEY=true|false (the kernels: triton|interpret|"") is one line naming it."""
