@@ -10,7 +10,7 @@ from gpt.errors import run_main
 def main(argv: Sequence[str]) -> int:
     from gpt.config import TRAIN_CLASSES, build_train, help_text
     if "-h" in argv or "--help" in argv:
-        print(help_text(TRAIN_CLASSES))
+        print(help_text(TRAIN_CLASSES, argv, default_preset="default"))
         return 0
     model_cfg, compute_cfg, train_cfg, explicit = build_train(argv)
     from gpt.runtime import prepare_process

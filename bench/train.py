@@ -223,7 +223,7 @@ def bench(variants: list[Variant], opts: dict) -> list[dict]:
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:  # this tool's options, then train.py's settings
         print(__doc__.strip() + "\n\ntrain.py's settings, which this tool takes too:\n"
-              + help_text(TRAIN_CLASSES))
+              + help_text(TRAIN_CLASSES, argv, default_preset="default"))
         return 0
     try:
         opts, rest = split_bench_args(argv)

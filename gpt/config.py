@@ -594,11 +594,19 @@ def _json_fields(cls: type, d: Any) -> dict[str, Any]:
     return out
 
 
-def help_text(classes: Sequence[type]) -> str:
+def help_text(classes: Sequence[type], argv: Sequence[str] = (), default_preset: str | None = None) -> str:
+    """Every setting with the value a run with `argv`'s --preset (else `default_preset`) starts
+    from: the preset's where it sets one, else the field's own default."""
+    argv = list(argv)
+    given = [a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
+             if a.startswith("--preset=") or (a == "--preset" and i + 1 < len(argv))]
+    preset = given[-1] if given and given[-1] in PRESETS else default_preset
+    values = PRESETS.get(preset, {}) if preset else {}
     lines = ["settings (--key=value; --preset=NAME; --config=FILE.toml|json):",
-             f"  presets: {', '.join(PRESETS)}"]
+             f"  presets: {', '.join(PRESETS)}",
+             f"  values as --preset={preset} sets them (else the defaults):" if preset else "  defaults:"]
     for cls in classes:
         for f in fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  --{f.name}={default!r}")
+            lines.append(f"  --{f.name}={values.get(f.name, default)!r}")
     return "\n".join(lines)

@@ -123,3 +123,16 @@ def test_list_fields():
     assert s.stop == ["\n\n", "END", "a,b"]  # a repeated list flag accumulates
     _, _, t, _ = parse(["--input=a.txt,b/"])
     assert t.input == ["a.txt", "b/"]
+
+
+def test_help_shows_the_values_a_run_starts_from():
+    """--help lists each setting with the preset's value where the run's preset sets one (the
+    default preset without --preset), so `python train.py --help` says 4 layers, not 12."""
+    from gpt.config import TRAIN_CLASSES, help_text
+    plain = help_text(TRAIN_CLASSES, [], default_preset="default").splitlines()
+    assert "  --n_layer=4" in plain and "  --learning_rate=0.004" in plain
+    gpt2 = help_text(TRAIN_CLASSES, ["--preset", "gpt2", "--help"], default_preset="default").splitlines()
+    assert "  --n_layer=12" in gpt2 and "  --gradient_accumulation_steps=40" in gpt2
+    assert help_text(TRAIN_CLASSES, ["--preset=gpt2"]) == "\n".join(gpt2)
+    bare = help_text(TRAIN_CLASSES).splitlines()  # no preset: the fields' own defaults
+    assert "  defaults:" in bare and "  --n_layer=12" in bare
