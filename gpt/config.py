@@ -602,9 +602,13 @@ def help_text(classes: Sequence[type], argv: Sequence[str] = (), default_preset:
              if a.startswith("--preset=") or (a == "--preset" and i + 1 < len(argv))]
     preset = given[-1] if given and given[-1] in PRESETS else default_preset
     values = PRESETS.get(preset, {}) if preset else {}
-    lines = ["settings (--key=value; --preset=NAME; --config=FILE.toml|json):",
-             f"  presets: {', '.join(PRESETS)}",
-             f"  values as --preset={preset} sets them (else the defaults):" if preset else "  defaults:"]
+    names = {f.name for cls in classes for f in fields(cls)}
+    if not any(names & p.keys() for p in PRESETS.values()):  # sample.py's: no preset sets any
+        lines = ["settings (--key=value; --config=FILE.toml|json):", "  defaults:"]
+    else:
+        lines = ["settings (--key=value; --preset=NAME; --config=FILE.toml|json):",
+                 f"  presets: {', '.join(PRESETS)}",
+                 f"  values as --preset={preset} sets them (else the defaults):" if preset else "  defaults:"]
     for cls in classes:
         for f in fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
