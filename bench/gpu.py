@@ -89,7 +89,17 @@ TRAIN_FULL = {
     "b64-res-gelu": ["--batch_size=64", "--residual_dtype=compute", "--runtime=gelu_kernel=triton"],
     "b64-res-xent-gelu": ["--batch_size=64", "--residual_dtype=compute",
                           "--runtime=xent_kernel=triton,gelu_kernel=triton"],
+    # both at batch 128, the best batch so far: 66.7 GB of temporaries (H200 compile; over an
+    # H100's default 75% of 80 GB, where it is recorded as out of memory)
+    "b128-res-xent-gelu": ["--batch_size=128", "--residual_dtype=compute",
+                           "--runtime=xent_kernel=triton,gelu_kernel=triton"],
+    # b64-res without CUDA graphs (TRAIN_XLA_FLAGS): the profile's 122.3 ms span was measured
+    # without them (XLA runs op by op under a profiler), the timed 126.6 ms with them, and XLA
+    # re-records a graph whenever a buffer it uses moved since its last launch
+    "b64-res-nographs": ["--batch_size=64", "--residual_dtype=compute"],
 }
+# variant -> XLA flags added to the environment's XLA_FLAGS for its process
+TRAIN_XLA_FLAGS = {"b64-res-nographs": "--xla_gpu_enable_command_buffer="}
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
 # XLA:GPU settings for the part "xla", aimed at what the H200 profile showed (BENCHMARKS.md): the
 # fusions around the GEMMs (bias, GELU), the cross-entropy's softmax over the [B*T, V] logits
@@ -219,14 +229,22 @@ def sample_cmd(sz: dict, batches: str, weights: str = "compute") -> list[str]:
             f"--new_tokens={sz['new_tokens']}", "--baseline_batches=", f"--weights={weights}"]
 
 
+def with_xla_flags(env: dict, setting: str) -> dict:
+    """`env` with `setting` added to its XLA_FLAGS."""
+    return dict(env, XLA_FLAGS=f"{env.get('XLA_FLAGS', '')} {setting}".strip())
+
+
 def part_train(r: Runner, sz: dict, only: list[str]) -> dict:
+    """The train variants, those of `only` in its order (the first run first when time is short),
+    else all."""
     rows = {}
-    for name, flags in sz["train_variants"].items():
-        if only and name not in only:
-            continue
-        rc, text, sec = r.run(train_cmd(sz, flags))
+    for name in only or sz["train_variants"]:
+        flags = sz["train_variants"][name]
+        xla = TRAIN_XLA_FLAGS.get(name, "")
+        rc, text, sec = r.run(train_cmd(sz, flags), env=with_xla_flags(r.env, xla))
         res = last_json(text) if rc == 0 else None
-        rows[name] = {"flags": flags, "wall_sec": sec, **(res or {"error": why_failed(rc, text)})}
+        rows[name] = {"flags": flags + ([f"XLA_FLAGS+={xla}"] if xla else []), "wall_sec": sec,
+                      **(res or {"error": why_failed(rc, text)})}
         r.save("train", rows)
     return rows
 
@@ -278,7 +296,7 @@ def part_xla(r: Runner, sz: dict, settings: list[str], programs: list[str]) -> d
     r.results["xla_flags_baseline"] = r.env.get("XLA_FLAGS", "")
     skipped = {"error": "not run (--xla_programs)"}
     for setting in ["", *settings]:
-        env = dict(r.env, XLA_FLAGS=f"{r.env.get('XLA_FLAGS', '')} {setting}".strip())
+        env = with_xla_flags(r.env, setting)
         train, decode = dict(skipped), dict(skipped)
         if "train" in programs:
             rc, text, _ = r.run(train_cmd(sz, sz["xla_train"]), env=env)
@@ -585,12 +603,14 @@ def device_info(env: dict) -> tuple[str, str]:
     return (lines[0], lines[1]) if r.returncode == 0 and len(lines) >= 2 else ("unknown", "unknown")
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, every list checked before the suite starts anything (argparse's exit 2)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for gpu.json, gpu.md, gpu.log, loss.png")
     ap.add_argument("--size", default="full", choices=("full", "tiny"))
     ap.add_argument("--parts", default=",".join(PARTS))
-    ap.add_argument("--train_variants", default="", help="comma list of variant names (default all)")
+    ap.add_argument("--train_variants", default="",
+                    help="comma list of variant names, run in that order (default all)")
     ap.add_argument("--timeout", type=int, default=420, help="seconds per process")
     ap.add_argument("--xla_flags", default=";".join(XLA_CANDIDATES),
                     help='the part "xla": settings to compare with the baseline, ";" between them')
@@ -599,13 +619,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--kernel_tools", default=",".join(KERNEL_TOOLS),
                     help='the part "kernels": which bench/<tool>.py to run after the sampler')
     args = ap.parse_args(argv)
-    tools = [x for x in args.kernel_tools.split(",") if x]
-    if set(tools) - set(KERNEL_TOOLS):
-        ap.error(f"--kernel_tools={args.kernel_tools}: some of {', '.join(KERNEL_TOOLS)}")
-    parts = [x for x in args.parts.split(",") if x]
-    bad = [x for x in parts if x not in PARTS + EXTRA_PARTS]
-    if bad:
+    listed = lambda text, sep=",": [x.strip() for x in text.split(sep) if x.strip()]  # noqa: E731
+    args.kernel_tools, args.parts = listed(args.kernel_tools), listed(args.parts)
+    args.train_variants, args.xla_programs = listed(args.train_variants), listed(args.xla_programs)
+    args.xla_flags = listed(args.xla_flags, ";")
+    if set(args.kernel_tools) - set(KERNEL_TOOLS):
+        ap.error(f"--kernel_tools={','.join(args.kernel_tools)}: some of {', '.join(KERNEL_TOOLS)}")
+    if bad := [x for x in args.parts if x not in PARTS + EXTRA_PARTS]:
         ap.error(f"unknown part(s) {', '.join(bad)} (choose from {', '.join(PARTS + EXTRA_PARTS)})")
+    variants = TRAIN_FULL if args.size == "full" else TRAIN_TINY
+    if unknown := [x for x in args.train_variants if x not in variants]:
+        ap.error(f"--train_variants: no variant {', '.join(unknown)} at --size={args.size} "
+                 f"(choose from {', '.join(variants)})")
+    if not args.xla_programs or set(args.xla_programs) - {"train", "decode"}:
+        ap.error(f"--xla_programs={','.join(args.xla_programs)}: train, decode or both")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # No compilation cache: the curve's wall time includes its compiles, as on a first run.
@@ -616,19 +648,15 @@ def main(argv: list[str]) -> int:
     r = Runner(out, args.timeout, env)
     r.results["device"], r.results["jax"] = device_info(env)
     r.results["size"] = args.size
-    print(f"GPU suite on {r.results['device']} (jax {r.results['jax']}), parts {', '.join(parts)}")
+    print(f"GPU suite on {r.results['device']} (jax {r.results['jax']}), parts {', '.join(args.parts)}")
     sz = sizes(args.size)
-    only = [x for x in args.train_variants.split(",") if x]
-    settings = [x.strip() for x in args.xla_flags.split(";") if x.strip()]
-    programs = [x for x in args.xla_programs.split(",") if x]
-    if not programs or set(programs) - {"train", "decode"}:
-        ap.error(f"--xla_programs={args.xla_programs}: train, decode or both")
-    for part in parts:
-        res = {"tests": lambda: part_tests(r, sz), "train": lambda: part_train(r, sz, only),
+    for part in args.parts:
+        res = {"tests": lambda: part_tests(r, sz), "train": lambda: part_train(r, sz, args.train_variants),
                "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz),
                "speculative": lambda: part_speculative(r, sz),
-               "xla": lambda: part_xla(r, sz, settings, programs), "profile": lambda: part_profile(r, sz),
-               "kernels": lambda: part_kernels(r, sz, tools)}[part]()
+               "xla": lambda: part_xla(r, sz, args.xla_flags, args.xla_programs),
+               "profile": lambda: part_profile(r, sz),
+               "kernels": lambda: part_kernels(r, sz, args.kernel_tools)}[part]()
         r.save(part, res)
     print(markdown(r.results))
     return 0

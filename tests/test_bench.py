@@ -383,6 +383,29 @@ def test_gpu_suite_train_variant_flags_come_last():
     assert (opts["chain"], opts["steps"], opts["warmup"]) == (20, 4, 1)
 
 
+def test_gpu_suite_train_variant_xla_flags(tmp_path):
+    """A variant of TRAIN_XLA_FLAGS runs with those flags added to the suite's XLA_FLAGS (and
+    says so in its row's flags); the others run with the suite's environment as it is."""
+    from bench import gpu as suite
+    seen = {}
+
+    class Runner(suite.Runner):
+        def run(self, cmd, timeout=None, env=None):
+            seen[cmd[-1]] = (env or self.env).get("XLA_FLAGS")
+            return 1, "", 0.0
+
+        def save(self, part, rows):
+            pass
+
+    r = Runner(tmp_path, 10, {"XLA_FLAGS": "--xla_dump_to=x"})
+    sz = dict(suite.sizes("full"), train_variants={"a": ["--batch_size=1"], "b64-res-nographs": ["--flag"]})
+    rows = suite.part_train(r, sz, [])
+    assert seen == {"--batch_size=1": "--xla_dump_to=x",
+                    "--flag": "--xla_dump_to=x --xla_gpu_enable_command_buffer="}
+    assert rows["b64-res-nographs"]["flags"][-1] == "XLA_FLAGS+=--xla_gpu_enable_command_buffer="
+    assert suite.with_xla_flags({}, "--f=1") == {"XLA_FLAGS": "--f=1"}
+
+
 def test_gpu_suite_kernel_tools_are_checked(tmp_path, capsys):
     """--kernel_tools names some of the part's tools; anything else is argparse's error (exit 2),
     before the suite starts anything."""
@@ -390,6 +413,11 @@ def test_gpu_suite_kernel_tools_are_checked(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         suite.main([f"--out={tmp_path}", "--parts=kernels", "--kernel_tools=xent,bogus"])
     assert e.value.code == 2 and "--kernel_tools=xent,bogus: some of xent, decode_layer" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a variant of the other size's, or none at all
+        suite.main([f"--out={tmp_path}", "--parts=train", "--train_variants=b64-res,b4"])
+    assert e.value.code == 2 and "no variant b4 at --size=full" in capsys.readouterr().err
+    assert suite.parse_args(["--out=x", "--train_variants=b64-res-xent, b64-res"]).train_variants == [
+        "b64-res-xent", "b64-res"]
 
 
 def test_xent_bench_checks_every_variant_against_xla(monkeypatch, capsys):
