@@ -90,7 +90,7 @@ TRAIN_FULL = {
     "b64-res-xent-gelu": ["--batch_size=64", "--residual_dtype=compute",
                           "--runtime=xent_kernel=triton,gelu_kernel=triton"],
     # both at batch 128, the best batch so far: 66.7 GB of temporaries (H200 compile; over an
-    # H100's default 75% of 80 GB, where it is recorded as out of memory)
+    # H100's default 75% of 79.6 GiB, about 64 GB, where it would be recorded as out of memory)
     "b128-res-xent-gelu": ["--batch_size=128", "--residual_dtype=compute",
                            "--runtime=xent_kernel=triton,gelu_kernel=triton"],
     # b64-res without CUDA graphs (TRAIN_XLA_FLAGS): the profile's 122.3 ms span was measured
@@ -160,7 +160,9 @@ class Runner:
             text, rc = (p.communicate()[0] or "") + "\n[timed out]", 124
         sec = time.perf_counter() - t0
         with open(self.log_path, "a") as f:
-            f.write(f"\n$ {' '.join(cmd)}\n[exit {rc}, {sec:.1f} s]\n{text}\n")
+            flags = (env or self.env).get("XLA_FLAGS", "")
+            prefix = f"XLA_FLAGS='{flags}' " if flags != self.env.get("XLA_FLAGS", "") else ""
+            f.write(f"\n$ {prefix}{' '.join(cmd)}\n[exit {rc}, {sec:.1f} s]\n{text}\n")
         print(f"  {' '.join(cmd[1:3])} ... exit {rc} in {sec:.0f} s", flush=True)
         return rc, text, sec
 
@@ -603,6 +605,10 @@ def device_info(env: dict) -> tuple[str, str]:
     return (lines[0], lines[1]) if r.returncode == 0 and len(lines) >= 2 else ("unknown", "unknown")
 
 
+def _listed(text: str, sep: str = ",") -> list[str]:
+    return [x.strip() for x in text.split(sep) if x.strip()]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line, every list checked before the suite starts anything (argparse's exit 2)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -619,10 +625,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--kernel_tools", default=",".join(KERNEL_TOOLS),
                     help='the part "kernels": which bench/<tool>.py to run after the sampler')
     args = ap.parse_args(argv)
-    listed = lambda text, sep=",": [x.strip() for x in text.split(sep) if x.strip()]  # noqa: E731
-    args.kernel_tools, args.parts = listed(args.kernel_tools), listed(args.parts)
-    args.train_variants, args.xla_programs = listed(args.train_variants), listed(args.xla_programs)
-    args.xla_flags = listed(args.xla_flags, ";")
+    args.kernel_tools, args.parts = _listed(args.kernel_tools), _listed(args.parts)
+    args.xla_programs, args.xla_flags = _listed(args.xla_programs), _listed(args.xla_flags, ";")
+    args.train_variants = list(dict.fromkeys(_listed(args.train_variants)))  # each once, in order
     if set(args.kernel_tools) - set(KERNEL_TOOLS):
         ap.error(f"--kernel_tools={','.join(args.kernel_tools)}: some of {', '.join(KERNEL_TOOLS)}")
     if bad := [x for x in args.parts if x not in PARTS + EXTRA_PARTS]:

@@ -456,7 +456,8 @@ def bench_speculative(args) -> dict:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The command line, checked: comma lists as lists, presets known, --dtype resolved."""
+    """The command line, checked: comma lists as lists, presets known, --dtype resolved (which
+    starts JAX's backend: run_cpu_programs_inline must come first)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="tiny,shakespeare-char,gpt2")
     ap.add_argument("--batches", default="1,16")
@@ -507,7 +508,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     run_cpu_programs_inline()  # as sample.py runs; before parse_args, whose dtype starts JAX's client
     args = parse_args(argv)
-    configs = args.configs
+    configs = args.configs  # the list parse_args made
     cache_dir = enable_compile_cache()
     device = metrics_lib.device_name()
     args.copy_gbps = metrics_lib.measure_copy_gbps()

@@ -1,7 +1,7 @@
 """Train-step benchmark: compile time, steady-state step time, tokens/s, model TFLOP/s and MFU.
 
     python bench/train.py --preset=shakespeare-char [--key=value ...] [--steps=N] [--warmup=N]
-                          [--chain=K] [--dtypes=float32,bfloat16] [--ceiling_n=N]
+                          [--chain=K] [--dtypes=float32,bfloat16] [--ceiling_n=N] [--ceiling_reps=N]
                           [--runtime=KEY=VALUE,...]
 
 Settings are parsed exactly like train.py's (gpt.config.build: preset, --config file, overrides),
@@ -220,10 +220,20 @@ def bench(variants: list[Variant], opts: dict) -> list[dict]:
     return runs
 
 
+def _settings_only(argv: list[str]) -> list[str]:
+    """argv without this tool's own options (for --help's listing of train.py's settings)."""
+    try:
+        return split_bench_args(argv)[1]
+    except UserError:
+        return argv
+
+
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:  # this tool's options, then train.py's settings
-        print(__doc__.strip() + "\n\ntrain.py's settings, which this tool takes too:\n"
-              + help_text(TRAIN_CLASSES, argv, default_preset="default"))
+        print(__doc__.strip() + "\n\nThis tool's defaults: "
+              + " ".join(f"--{k}={v}" for k, v in BENCH_DEFAULTS.items())
+              + "\n\ntrain.py's settings, which this tool takes too:\n"
+              + help_text(TRAIN_CLASSES, _settings_only(argv), default_preset="default"))
         return 0
     try:
         opts, rest = split_bench_args(argv)

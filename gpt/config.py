@@ -595,22 +595,21 @@ def _json_fields(cls: type, d: Any) -> dict[str, Any]:
 
 
 def help_text(classes: Sequence[type], argv: Sequence[str] = (), default_preset: str | None = None) -> str:
-    """Every setting with the value a run with `argv`'s --preset (else `default_preset`) starts
-    from: the preset's where it sets one, else the field's own default."""
-    argv = list(argv)
-    given = [a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
-             if a.startswith("--preset=") or (a == "--preset" and i + 1 < len(argv))]
-    preset = given[-1] if given and given[-1] in PRESETS else default_preset
-    values = PRESETS.get(preset, {}) if preset else {}
+    """Every setting with the value a run with `argv` starts from, as `build` combines the preset
+    (argv's, else `default_preset`), a --config file and the command line; where argv does not
+    build, the error and the fields' own defaults. A data directory or checkpoint may still change
+    some (the vocabulary), as the run reports."""
+    try:
+        instances, _ = build(classes, [a for a in argv if a not in ("-h", "--help")], default_preset)
+        source = "as this command line sets them"
+    except UserError as e:
+        instances, source = [cls() for cls in classes], f"defaults ({e})"
     names = {f.name for cls in classes for f in fields(cls)}
-    if not any(names & p.keys() for p in PRESETS.values()):  # sample.py's: no preset sets any
-        lines = ["settings (--key=value; --config=FILE.toml|json):", "  defaults:"]
-    else:
+    lines = ["settings (--key=value; --config=FILE.toml|json):"]
+    if any(names & p.keys() for p in PRESETS.values()):  # not sample.py's: no preset sets any
         lines = ["settings (--key=value; --preset=NAME; --config=FILE.toml|json):",
-                 f"  presets: {', '.join(PRESETS)}",
-                 f"  values as --preset={preset} sets them (else the defaults):" if preset else "  defaults:"]
-    for cls in classes:
-        for f in fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  --{f.name}={values.get(f.name, default)!r}")
+                 f"  presets: {', '.join(PRESETS)}"]
+    lines.append(f"  values {source}:")
+    for obj in instances:
+        lines += [f"  --{f.name}={getattr(obj, f.name)!r}" for f in fields(obj)]
     return "\n".join(lines)

@@ -40,7 +40,7 @@ def test_bench_train_help():
     r = subprocess.run([sys.executable, str(REPO / "bench" / "train.py"), "--help"], cwd=REPO,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "--chain=K" in r.stdout and "--n_layer=" in r.stdout and "presets:" in r.stdout
+    assert "--chain=K" in r.stdout and "  --n_layer=4" in r.stdout and "presets:" in r.stdout and "--steps=5" in r.stdout
 
 
 def test_bench_runtime_override():
@@ -385,24 +385,30 @@ def test_gpu_suite_train_variant_flags_come_last():
 
 def test_gpu_suite_train_variant_xla_flags(tmp_path):
     """A variant of TRAIN_XLA_FLAGS runs with those flags added to the suite's XLA_FLAGS (and
-    says so in its row's flags); the others run with the suite's environment as it is."""
+    says so in its row's flags and in gpu.log); the others run with the suite's environment as it
+    is. Named variants run in the order named, all of them in the table's order."""
     from bench import gpu as suite
-    seen = {}
+    seen = []
 
     class Runner(suite.Runner):
         def run(self, cmd, timeout=None, env=None):
-            seen[cmd[-1]] = (env or self.env).get("XLA_FLAGS")
-            return 1, "", 0.0
+            seen.append((cmd[-1], (env or self.env).get("XLA_FLAGS")))
+            return super().run([sys.executable, "-c", "pass"], timeout, env)
 
         def save(self, part, rows):
             pass
 
-    r = Runner(tmp_path, 10, {"XLA_FLAGS": "--xla_dump_to=x"})
+    r = Runner(tmp_path, 60, dict(os.environ, XLA_FLAGS="--xla_dump_to=x"))
     sz = dict(suite.sizes("full"), train_variants={"a": ["--batch_size=1"], "b64-res-nographs": ["--flag"]})
     rows = suite.part_train(r, sz, [])
-    assert seen == {"--batch_size=1": "--xla_dump_to=x",
-                    "--flag": "--xla_dump_to=x --xla_gpu_enable_command_buffer="}
+    assert seen == [("--batch_size=1", "--xla_dump_to=x"),
+                    ("--flag", "--xla_dump_to=x --xla_gpu_enable_command_buffer=")]
     assert rows["b64-res-nographs"]["flags"][-1] == "XLA_FLAGS+=--xla_gpu_enable_command_buffer="
+    log = (tmp_path / "gpu.log").read_text()
+    assert log.count("XLA_FLAGS='--xla_dump_to=x --xla_gpu_enable_command_buffer='") == 1
+    seen.clear()
+    suite.part_train(r, sz, ["b64-res-nographs", "a"])
+    assert [c for c, _ in seen] == ["--flag", "--batch_size=1"]
     assert suite.with_xla_flags({}, "--f=1") == {"XLA_FLAGS": "--f=1"}
 
 
@@ -413,11 +419,17 @@ def test_gpu_suite_kernel_tools_are_checked(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         suite.main([f"--out={tmp_path}", "--parts=kernels", "--kernel_tools=xent,bogus"])
     assert e.value.code == 2 and "--kernel_tools=xent,bogus: some of xent, decode_layer" in capsys.readouterr().err
+
+
+def test_gpu_suite_train_variants_are_checked(tmp_path, capsys):
+    """--train_variants names variants of the size's table, each once, in the order given;
+    another name is argparse's error before the suite starts anything."""
+    from bench import gpu as suite
     with pytest.raises(SystemExit) as e:  # a variant of the other size's, or none at all
         suite.main([f"--out={tmp_path}", "--parts=train", "--train_variants=b64-res,b4"])
     assert e.value.code == 2 and "no variant b4 at --size=full" in capsys.readouterr().err
-    assert suite.parse_args(["--out=x", "--train_variants=b64-res-xent, b64-res"]).train_variants == [
-        "b64-res-xent", "b64-res"]
+    assert suite.parse_args(["--out=x", "--train_variants=b64-res-xent, b64-res,b64-res-xent"]
+                            ).train_variants == ["b64-res-xent", "b64-res"]
 
 
 def test_xent_bench_checks_every_variant_against_xla(monkeypatch, capsys):

@@ -126,13 +126,15 @@ def test_list_fields():
 
 
 def test_help_shows_the_values_a_run_starts_from():
-    """--help lists each setting with the preset's value where the run's preset sets one (the
-    default preset without --preset), so `python train.py --help` says 4 layers, not 12."""
+    """--help lists each setting as the run would start from it (`build`: the preset, the default
+    one without --preset, then the command line), so `python train.py --help` says 4 layers, not
+    12; a command line that does not build gives its error and the fields' own defaults."""
     from gpt.config import TRAIN_CLASSES, help_text
-    plain = help_text(TRAIN_CLASSES, [], default_preset="default").splitlines()
-    assert "  --n_layer=4" in plain and "  --learning_rate=0.004" in plain
-    gpt2 = help_text(TRAIN_CLASSES, ["--preset", "gpt2", "--help"], default_preset="default").splitlines()
-    assert "  --n_layer=12" in gpt2 and "  --gradient_accumulation_steps=40" in gpt2
-    assert help_text(TRAIN_CLASSES, ["--preset=gpt2"]) == "\n".join(gpt2)
-    bare = help_text(TRAIN_CLASSES).splitlines()  # no preset: the fields' own defaults
-    assert "  defaults:" in bare and "  --n_layer=12" in bare
+    plain = help_text(TRAIN_CLASSES, ["--help"], default_preset="default").splitlines()
+    assert "  --n_layer=4" in plain and "  --learning_rate=0.004" in plain and "  presets: " in plain[1]
+    gpt2 = help_text(TRAIN_CLASSES, ["--preset", "gpt2", "--preset=tiny", "--dropout=0.1"], "default")
+    assert "  --n_layer=12" in gpt2.splitlines() and "  --dropout=0.1" in gpt2.splitlines()  # the first preset
+    bad = help_text(TRAIN_CLASSES, ["--preset=gpt3", "-h"], "default").splitlines()
+    assert "unknown preset 'gpt3' (did you mean gpt2?)" in bad[2] and "  --n_layer=12" in bad
+    sample = help_text([SampleConfig]).splitlines()  # no preset sets a sampling setting
+    assert "preset" not in sample[0] and sample[1] == "  values as this command line sets them:"
