@@ -93,13 +93,11 @@ TRAIN_FULL = {
     # H100's default 75% of 79.6 GiB, about 64 GB, where it would be recorded as out of memory)
     "b128-res-xent-gelu": ["--batch_size=128", "--residual_dtype=compute",
                            "--runtime=xent_kernel=triton,gelu_kernel=triton"],
-    # b64-res without CUDA graphs (TRAIN_XLA_FLAGS): the profile's 122.3 ms span was measured
-    # without them (XLA runs op by op under a profiler), the timed 126.6 ms with them, and XLA
-    # re-records a graph whenever a buffer it uses moved since its last launch
-    "b64-res-nographs": ["--batch_size=64", "--residual_dtype=compute"],
+    # b64-res without CUDA graphs (Runtime.command_buffers): the profile's 122.3 ms span was
+    # measured without them (XLA runs op by op under a profiler), the timed 126.6 ms with them,
+    # and XLA re-records a graph whenever a buffer it uses moved since its last launch
+    "b64-res-nographs": ["--batch_size=64", "--residual_dtype=compute", "--runtime=command_buffers=false"],
 }
-# variant -> XLA flags added to the environment's XLA_FLAGS for its process
-TRAIN_XLA_FLAGS = {"b64-res-nographs": "--xla_gpu_enable_command_buffer="}
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
 # XLA:GPU settings for the part "xla", aimed at what the H200 profile showed (BENCHMARKS.md): the
 # fusions around the GEMMs (bias, GELU), the cross-entropy's softmax over the [B*T, V] logits
@@ -242,11 +240,9 @@ def part_train(r: Runner, sz: dict, only: list[str]) -> dict:
     rows = {}
     for name in only or sz["train_variants"]:
         flags = sz["train_variants"][name]
-        xla = TRAIN_XLA_FLAGS.get(name, "")
-        rc, text, sec = r.run(train_cmd(sz, flags), env=with_xla_flags(r.env, xla))
+        rc, text, sec = r.run(train_cmd(sz, flags))
         res = last_json(text) if rc == 0 else None
-        rows[name] = {"flags": flags + ([f"XLA_FLAGS+={xla}"] if xla else []), "wall_sec": sec,
-                      **(res or {"error": why_failed(rc, text)})}
+        rows[name] = {"flags": flags, "wall_sec": sec, **(res or {"error": why_failed(rc, text)})}
         r.save("train", rows)
     return rows
 

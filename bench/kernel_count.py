@@ -156,7 +156,7 @@ def train_program(args, rest: list[str], sharding) -> tuple[str, str]:
     from bench.train import runtime_only
     from gpt.config import build_train
     from gpt.model import abstract_model
-    from gpt.runtime import resolve
+    from gpt.runtime import compiler_options, resolve
     from gpt.train import make_optimizer, make_train_step, moe_training
     override, rest = runtime_only(rest)  # --runtime as bench/train.py's
     m, c, t, explicit = build_train(rest + ([f"--dtype={args.dtype}"] if args.dtype else []))
@@ -168,7 +168,7 @@ def train_program(args, rest: list[str], sharding) -> tuple[str, str]:
     tx = make_optimizer(t)
     x = jax.ShapeDtypeStruct((t.gradient_accumulation_steps, t.batch_size, m.block_size), jnp.int32)
     step = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=rt.dropout > 0, moe=moe_training(t)),
-                   donate_argnums=(0, 1))
+                   donate_argnums=(0, 1), compiler_options=compiler_options(rt))
     args_ = (params, jax.eval_shape(tx.init, params), jax.ShapeDtypeStruct((), jnp.int32), x, x)
     return step.lower(*_placed(args_, sharding)).compile().as_text(), rt.dtype.name
 

@@ -2,7 +2,8 @@
 
 XLA's GPU runtime executes a sequence of thunks: kernels, library calls (cuBLAS, cuDNN), copies,
 host-driven loops and conditionals, and command buffers, which launch the thunks they hold as one
-CUDA graph. After its passes XLA dumps that sequence (`*.thunk_sequence_after_thunk_passes.txt`).
+CUDA graph. After its passes XLA dumps that sequence (`*.thunk_sequence_after_thunk_passes.txt`);
+a program compiled without command buffers has none, and its `*.thunk_sequence.txt` is the plan.
 Counting kernels says how many there are; the plan says which run inside graphs and what the host
 drives itself (a loop of unknown trip count reads its condition back every iteration), which is
 what decides launch overhead when a step is many small kernels (BENCHMARKS.md: batch-1 decoding).
@@ -20,6 +21,14 @@ from pathlib import Path
 from gpt.errors import UserError
 
 PLAN_FILE = "*.thunk_sequence_after_thunk_passes.txt"  # what XLA:GPU's runtime executes
+PLAN_BEFORE_PASSES = "*.thunk_sequence.txt"  # the same where no pass ran (no command buffers)
+
+
+def plan_files(folder: str) -> list[Path]:
+    """Each dumped module's plan: the sequence after XLA's thunk passes, else before them."""
+    def by_module(pattern: str) -> dict[str, Path]:
+        return {f.name[:-len(pattern) + 1]: f for f in Path(folder).glob(pattern)}
+    return list({**by_module(PLAN_BEFORE_PASSES), **by_module(PLAN_FILE)}.values())
 
 
 @dataclasses.dataclass
@@ -121,7 +130,7 @@ def read_plan(folder: str, module: str = "") -> dict:
     XLA dumped into `folder`, the largest of those whose name has `module` in it (the jitted
     function's name, e.g. "jit_step_fn"), else the largest of all (the others are JAX's helpers;
     a prefill can be as large as the decode loop, so callers name theirs)."""
-    files = sorted(Path(folder).glob(PLAN_FILE), key=lambda f: f.stat().st_size)
+    files = sorted(plan_files(folder), key=lambda f: f.stat().st_size)
     if not files:
         raise UserError(f"XLA dumped no thunk plan (--plan reads a GPU compilation's {PLAN_FILE}; "
                         f"this jax's XLA may name it otherwise)")

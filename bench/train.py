@@ -46,8 +46,8 @@ from gpt.config import (TRAIN_CLASSES, ComputeConfig, ModelConfig, TrainConfig, 
                         help_text, parse_value, validate_compute)
 from gpt.errors import UserError  # noqa: E402
 from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
-from gpt.runtime import (PALLAS_MODES, cpu_native_bf16, dtype_note, loss_chunks_for, resolve,  # noqa: E402
-                         run_cpu_programs_inline)
+from gpt.runtime import (PALLAS_MODES, compiler_options, cpu_native_bf16, dtype_note,  # noqa: E402
+                         loss_chunks_for, resolve, run_cpu_programs_inline)
 from gpt.train import make_optimizer, make_train_step, moe_training  # noqa: E402
 
 CHAR_VOCAB = 65  # tiny Shakespeare's character vocabulary
@@ -57,10 +57,10 @@ BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling
 # call), with their values' types: the cross-entropy's one-pass logsumexp (GPU only), the MLP
 # activation's recomputation, the dense layers' hand-written backward (every backend) and the
 # Pallas kernels of the loss and of the MLP's activation (gpt/ops/xent_kernel.py,
-# gpt/ops/gelu_kernel.py: triton on a GPU, interpret elsewhere); the attention kernel is
-# train.py's own --attention
+# gpt/ops/gelu_kernel.py: triton on a GPU, interpret elsewhere), and XLA:GPU's CUDA graphs in the
+# step (command_buffers); the attention kernel is train.py's own --attention
 RUNTIME_KNOBS = {"lse_one_pass": bool, "mlp_recompute": bool, "dense_vjp": bool, "xent_kernel": str,
-                 "gelu_kernel": str}
+                 "gelu_kernel": str, "command_buffers": bool}
 BENCH_DEFAULTS = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10,
                   "runtime": ""}
 
@@ -142,7 +142,7 @@ class Variant:
         self.opt_state = jax.jit(tx.init)(self.params)
         step_fn = jax.jit(make_train_step(graphdef, tx, t.seed, train_mode=rt.dropout > 0,
                                           moe=moe_training(t)),
-                          donate_argnums=(0, 1))
+                          donate_argnums=(0, 1), compiler_options=compiler_options(rt))
         rng = np.random.default_rng(t.seed)
         # Alternate two batches so no step sees a cached input.
         self.batches = [(jnp.asarray(rng.integers(0, m.vocab_size, (A, B, T), dtype=np.int32)),

@@ -82,6 +82,13 @@ class Runtime:
     # block with the activation recomputed: `Block.mlp`), "triton" or "interpret" as above; "" XLA's
     # fusions. Off until a GPU has timed it (bench/train.py --runtime=gelu_kernel=triton)
     gelu_kernel: str = ""
+    # XLA:GPU's command buffers (CUDA graphs) in the compiled training step: XLA re-records a graph
+    # whenever a buffer it uses has moved since its last launch (the step's temporaries, the
+    # batches), and the H200's 122.3 ms profile span (run without graphs, as under any profiler)
+    # against its 126.6 ms timed step (with them) may be that. False compiles the step without
+    # (`compiler_options`); decoding keeps its graph a token. On until a GPU has timed it
+    # (bench/train.py --runtime=command_buffers=false); nothing on other backends
+    command_buffers: bool = True
 
     def __post_init__(self) -> None:
         if self.decode_weights not in DECODE_WEIGHTS:  # a typo would transpose, then multiply wrongly
@@ -93,6 +100,12 @@ class Runtime:
             # a pallas_call has no sharding rule: XLA would gather every row onto every device
             raise ValueError("xent_kernel and gelu_kernel run on one device; a mesh of several would "
                              "gather their operands")
+
+
+def compiler_options(rt: Runtime) -> dict[str, str]:
+    """XLA options of the training step's compilation (`jax.jit(..., compiler_options=)`): per
+    program, so that decoding keeps what the step turns off."""
+    return {} if rt.command_buffers else {"xla_gpu_enable_command_buffer": ""}
 
 
 def on_mesh(rt: Runtime, mesh) -> Runtime:

@@ -39,7 +39,7 @@ from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict,
 from gpt.errors import UserError
 from gpt.model import GPT, abstract_model, flops_per_token, num_params
 from gpt.ops.cross_entropy import cross_entropy  # noqa: F401 - re-exported (the tests use it)
-from gpt.runtime import Runtime, dtype_note, loss_chunks_for, on_mesh, resolve
+from gpt.runtime import Runtime, compiler_options, dtype_note, loss_chunks_for, on_mesh, resolve
 from gpt.tokenizer import REPO_ROOT, atomic_write_bytes, load_tokenizer
 
 BUNDLED_CORPUS = REPO_ROOT / "data" / "shakespeare.txt"
@@ -554,7 +554,7 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
                       in_shardings=(shards["params"], shards["opt_state"], None, shards["batch"],
                                     shards["batch"], shards["frozen"]),
                       out_shardings=(shards["params"], shards["opt_state"], None, None),
-                      donate_argnums=(0, 1))
+                      donate_argnums=(0, 1), compiler_options=compiler_options(rt))
     eval_fn = jax.jit(make_eval_step(graphdef), in_shardings=(shards["params"], shards["eval"],
                                                                shards["eval"], shards["frozen"]))
     layout = sharding.batch_process_layout(mesh)  # this process's block of the batch rows

@@ -23,7 +23,7 @@ def _run(script: str, *args: str) -> dict:
 def test_bench_train_smoke():
     out = _run("train.py", "--preset=tiny", "--steps=2", "--warmup=1", "--chain=2", "--ceiling_n=128",
                "--ceiling_reps=2", "--dtypes=float32,bfloat16", "--residual_dtype=compute",
-               "--runtime=mlp_recompute=false")
+               "--runtime=mlp_recompute=false,command_buffers=false")
     for k in ("tokens_per_sec", "model_tflops", "ceiling_tflops", "mfu_measured", "mfu_vendor",
               "compile_sec", "device", "dtype", "step_ms"):
         assert k in out
@@ -32,7 +32,7 @@ def test_bench_train_smoke():
     assert [r["residual_dtype"] for r in out["runs"]] == ["float32", "bfloat16"]
     assert "speedup_vs_float32" in out and len(out["speedup_per_round"]) == 2  # interleaved rounds
     assert out["chain"] == 2 and len(out["step_ms_all"]) == 2  # a measurement per chain of 2 steps
-    assert out["runtime"] == {"mlp_recompute": False}
+    assert out["runtime"] == {"mlp_recompute": False, "command_buffers": False}
 
 
 def test_bench_train_help():
@@ -57,6 +57,7 @@ def test_bench_runtime_override():
     assert runtime_override("xent_kernel=interpret,gelu_kernel=interpret") == {
         "xent_kernel": "interpret", "gelu_kernel": "interpret"}
     assert runtime_override("xent_kernel=triton") == {"xent_kernel": "triton"}  # compiled for a GPU anywhere
+    assert runtime_override("command_buffers=false") == {"command_buffers": False}
     with pytest.raises(UserError, match="xent_kernel=triton needs a GPU"):  # timed only on one
         runs_here({"xent_kernel": "triton", "dense_vjp": False})
     for bad, says in (("foo=1", "foo"), ("dense_vjp", "dense_vjp"), ("dense_vjp=maybe", "true or false"),
@@ -383,32 +384,28 @@ def test_gpu_suite_train_variant_flags_come_last():
     assert (opts["chain"], opts["steps"], opts["warmup"]) == (20, 4, 1)
 
 
-def test_gpu_suite_train_variant_xla_flags(tmp_path):
-    """A variant of TRAIN_XLA_FLAGS runs with those flags added to the suite's XLA_FLAGS (and
-    says so in its row's flags and in gpu.log); the others run with the suite's environment as it
-    is. Named variants run in the order named, all of them in the table's order."""
+def test_gpu_suite_train_variants_run_in_the_order_named(tmp_path):
+    """Named variants run in the order named (the deciding ones first when time is short), all of
+    them in the table's order; a setting added to XLA_FLAGS (the part "xla") shows in gpu.log."""
     from bench import gpu as suite
     seen = []
 
     class Runner(suite.Runner):
         def run(self, cmd, timeout=None, env=None):
-            seen.append((cmd[-1], (env or self.env).get("XLA_FLAGS")))
+            seen.append(cmd[-1])
             return super().run([sys.executable, "-c", "pass"], timeout, env)
 
         def save(self, part, rows):
             pass
 
     r = Runner(tmp_path, 60, dict(os.environ, XLA_FLAGS="--xla_dump_to=x"))
-    sz = dict(suite.sizes("full"), train_variants={"a": ["--batch_size=1"], "b64-res-nographs": ["--flag"]})
-    rows = suite.part_train(r, sz, [])
-    assert seen == [("--batch_size=1", "--xla_dump_to=x"),
-                    ("--flag", "--xla_dump_to=x --xla_gpu_enable_command_buffer=")]
-    assert rows["b64-res-nographs"]["flags"][-1] == "XLA_FLAGS+=--xla_gpu_enable_command_buffer="
-    log = (tmp_path / "gpu.log").read_text()
-    assert log.count("XLA_FLAGS='--xla_dump_to=x --xla_gpu_enable_command_buffer='") == 1
-    seen.clear()
-    suite.part_train(r, sz, ["b64-res-nographs", "a"])
-    assert [c for c, _ in seen] == ["--flag", "--batch_size=1"]
+    sz = dict(suite.sizes("full"), train_variants={"a": ["--batch_size=1"], "b": ["--flag"]})
+    suite.part_train(r, sz, [])
+    suite.part_train(r, sz, ["b", "a"])
+    assert seen == ["--batch_size=1", "--flag", "--flag", "--batch_size=1"]
+    assert "XLA_FLAGS=" not in (tmp_path / "gpu.log").read_text()  # the suite's own flags alone
+    r.run(["x"], env=suite.with_xla_flags(r.env, "--f=1"))
+    assert (tmp_path / "gpu.log").read_text().count("XLA_FLAGS='--xla_dump_to=x --f=1'") == 1
     assert suite.with_xla_flags({}, "--f=1") == {"XLA_FLAGS": "--f=1"}
 
 
@@ -819,6 +816,14 @@ def test_plan_missing_is_one_line(tmp_path):
     named = bp.plan_or_note(str(tmp_path), "jit_step_fn")  # the named one, though smaller
     assert named["module"].startswith("module_0001") and named["loops"][0]["in_graphs"] == 3
     assert bp.plan_or_note(str(tmp_path))["module"].startswith("module_0002")  # else the largest
+    # a module compiled without command buffers has only the sequence before the passes, which is
+    # its plan; one with both reads the sequence after them
+    (tmp_path / "module_0003.jit_nographs.thunk_sequence.txt").write_text(
+        "000: kCustomKernel [source | next=001 (1)] a grid: [1, 1, 1]\n001: kCuDnn [prev=000 (1) | sink] kCuDnn\n")
+    (tmp_path / "module_0001.jit_step_fn.thunk_sequence.txt").write_text("not read: the passes ran")
+    nographs = bp.read_plan(str(tmp_path), "jit_nographs")
+    assert nographs["graphs"] == 0 and nographs["outside"] == {"kCustomKernel": 1, "kCuDnn": 1}
+    assert bp.read_plan(str(tmp_path), "jit_step_fn")["module"].endswith("after_thunk_passes.txt")
     with pytest.raises(UserError, match="white space"):
         bp.dump_env({}, str(tmp_path / "a b"))
 

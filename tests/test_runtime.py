@@ -266,3 +266,16 @@ def test_pallas_kernel_choices_are_checked():
     assert on_mesh(on, SimpleNamespace(size=1)).gelu_kernel == "triton"
     several = on_mesh(on, SimpleNamespace(size=8))
     assert several.xent_kernel == several.gelu_kernel == "" and several.mesh.size == 8
+
+
+def test_command_buffers_off_is_one_program_option():
+    """Runtime.command_buffers=False compiles the training step without XLA:GPU's CUDA graphs as
+    an option of that program alone (decoding keeps its graph a token); on by default, as XLA
+    has it. Any backend compiles a program with the option (XLA:CPU ignores it)."""
+    import jax
+    from gpt.runtime import compiler_options, resolve
+    rt = resolve(tiny_model_config(), ComputeConfig(dtype="float32"), "gpu")
+    assert rt.command_buffers and compiler_options(rt) == {}
+    off = resolve(tiny_model_config(), ComputeConfig(dtype="float32"), "gpu", command_buffers=False)
+    assert compiler_options(off) == {"xla_gpu_enable_command_buffer": ""}
+    assert float(jax.jit(lambda x: 2 * x, compiler_options=compiler_options(off))(jnp.float32(3))) == 6.0
