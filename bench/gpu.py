@@ -93,9 +93,8 @@ TRAIN_FULL = {
     # H100's default 75% of 79.6 GiB, about 64 GB, where it would be recorded as out of memory)
     "b128-res-xent-gelu": ["--batch_size=128", "--residual_dtype=compute",
                            "--runtime=xent_kernel=triton,gelu_kernel=triton"],
-    # b64-res without CUDA graphs (Runtime.command_buffers): the profile's 122.3 ms span was
-    # measured without them (XLA runs op by op under a profiler), the timed 126.6 ms with them,
-    # and XLA re-records a graph whenever a buffer it uses moved since its last launch
+    # b64-res without CUDA graphs (Runtime.command_buffers): the profile ran without them, the
+    # timed step with them (BENCHMARKS.md, twenty-eighth session)
     "b64-res-nographs": ["--batch_size=64", "--residual_dtype=compute", "--runtime=command_buffers=false"],
 }
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}

@@ -27,7 +27,7 @@ PLAN_BEFORE_PASSES = "*.thunk_sequence.txt"  # the same where no pass ran (no co
 def plan_files(folder: str) -> list[Path]:
     """Each dumped module's plan: the sequence after XLA's thunk passes, else before them."""
     def by_module(pattern: str) -> dict[str, Path]:
-        return {f.name[:-len(pattern) + 1]: f for f in Path(folder).glob(pattern)}
+        return {f.name.removesuffix(pattern[1:]): f for f in Path(folder).glob(pattern)}
     return list({**by_module(PLAN_BEFORE_PASSES), **by_module(PLAN_FILE)}.values())
 
 
@@ -121,7 +121,7 @@ def plan_or_note(folder: str, module: str = "") -> dict:
     except UserError:
         files = list(Path(folder).glob("*"))  # none if the folder was never made
         kinds = sorted({f.name.split(".")[-2] for f in files if f.name.count(".") >= 2})
-        return {"none": f"no {PLAN_FILE} among {len(files)} dumped files"
+        return {"none": f"no {PLAN_FILE} or {PLAN_BEFORE_PASSES} among {len(files)} dumped files"
                         + (f" (kinds: {', '.join(kinds[:8])})" if kinds else "")}
 
 
@@ -132,8 +132,8 @@ def read_plan(folder: str, module: str = "") -> dict:
     a prefill can be as large as the decode loop, so callers name theirs)."""
     files = sorted(plan_files(folder), key=lambda f: f.stat().st_size)
     if not files:
-        raise UserError(f"XLA dumped no thunk plan (--plan reads a GPU compilation's {PLAN_FILE}; "
-                        f"this jax's XLA may name it otherwise)")
+        raise UserError(f"XLA dumped no thunk plan (--plan reads a GPU compilation's {PLAN_FILE}, or "
+                        f"{PLAN_BEFORE_PASSES} where no pass ran; this jax's XLA may name it otherwise)")
     chosen = ([f for f in files if module and module in f.name] or files)[-1]
     return dict(plan_summary(parse_plan(chosen.read_text())), module=chosen.name)
 

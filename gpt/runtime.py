@@ -82,10 +82,10 @@ class Runtime:
     # block with the activation recomputed: `Block.mlp`), "triton" or "interpret" as above; "" XLA's
     # fusions. Off until a GPU has timed it (bench/train.py --runtime=gelu_kernel=triton)
     gelu_kernel: str = ""
-    # XLA:GPU's command buffers (CUDA graphs) in the compiled training step: XLA re-records a graph
-    # whenever a buffer it uses has moved since its last launch (the step's temporaries, the
-    # batches), and the H200's 122.3 ms profile span (run without graphs, as under any profiler)
-    # against its 126.6 ms timed step (with them) may be that. False compiles the step without
+    # XLA:GPU's command buffers (CUDA graphs) in the compiled training step. XLA updates a graph's
+    # commands whose buffers moved since its last launch (the step's temporaries, the batches may
+    # move every step), and it profiled the H200's step without graphs (as under any jax.profiler
+    # trace) but timed it with them, 4.3 ms apart (BENCHMARKS.md). False compiles the step without
     # (`compiler_options`); decoding keeps its graph a token. On until a GPU has timed it
     # (bench/train.py --runtime=command_buffers=false); nothing on other backends
     command_buffers: bool = True

@@ -555,6 +555,7 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
                                     shards["batch"], shards["frozen"]),
                       out_shardings=(shards["params"], shards["opt_state"], None, None),
                       donate_argnums=(0, 1), compiler_options=compiler_options(rt))
+    # evaluation keeps XLA's defaults (command buffers too): it is not what is timed
     eval_fn = jax.jit(make_eval_step(graphdef), in_shardings=(shards["params"], shards["eval"],
                                                                shards["eval"], shards["frozen"]))
     layout = sharding.batch_process_layout(mesh)  # this process's block of the batch rows
