@@ -627,7 +627,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--kernel_tools={','.join(args.kernel_tools)}: some of {', '.join(KERNEL_TOOLS)}")
     if bad := [x for x in args.parts if x not in PARTS + EXTRA_PARTS]:
         ap.error(f"unknown part(s) {', '.join(bad)} (choose from {', '.join(PARTS + EXTRA_PARTS)})")
-    variants = TRAIN_FULL if args.size == "full" else TRAIN_TINY
+    variants = sizes(args.size)["train_variants"]
     if unknown := [x for x in args.train_variants if x not in variants]:
         ap.error(f"--train_variants: no variant {', '.join(unknown)} at --size={args.size} "
                  f"(choose from {', '.join(variants)})")

@@ -508,7 +508,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     run_cpu_programs_inline()  # as sample.py runs; before parse_args, whose dtype starts JAX's client
     args = parse_args(argv)
-    configs = args.configs  # the list parse_args made
     cache_dir = enable_compile_cache()
     device = metrics_lib.device_name()
     args.copy_gbps = metrics_lib.measure_copy_gbps()
@@ -517,11 +516,11 @@ def main(argv: list[str]) -> int:
           f"{args.new_tokens} new tokens; weights {args.weights}; measured bandwidth: copy "
           f"{args.copy_gbps:,.0f} GB/s (read + write), read {args.read_gbps:,.0f} GB/s")
     rows = []
-    if configs:
+    if args.configs:
         print(f"{'config':<17} {'batch':>5} {'prefill ms':>11} {'cached tok/s':>12} {'ms/step':>9} "
               f"{'nocache t/s':>10} {'speedup':>9} {'bw bound':>9} {'read bnd':>9}"
               + (f" {'HF tok/s':>10} {'vs HF':>8}" if args.transformers else ""))
-    for c in configs:
+    for c in args.configs:
         rows += bench_config(c, args)
         if args.decode_kernels:
             rows += bench_config(c, args, kernels=True)

@@ -605,11 +605,9 @@ def help_text(classes: Sequence[type], argv: Sequence[str] = (), default_preset:
     except UserError as e:
         instances, source = [cls() for cls in classes], f"defaults ({e})"
     names = {f.name for cls in classes for f in fields(cls)}
-    lines = ["settings (--key=value; --config=FILE.toml|json):"]
-    if any(names & p.keys() for p in PRESETS.values()):  # not sample.py's: no preset sets any
-        lines = ["settings (--key=value; --preset=NAME; --config=FILE.toml|json):",
-                 f"  presets: {', '.join(PRESETS)}"]
-    lines.append(f"  values {source}:")
+    presets = any(names & p.keys() for p in PRESETS.values())  # not sample.py's: no preset sets any
+    lines = [f"settings (--key=value; {'--preset=NAME; ' if presets else ''}--config=FILE.toml|json):",
+             *([f"  presets: {', '.join(PRESETS)}"] if presets else []), f"  values {source}:"]
     for obj in instances:
         lines += [f"  --{f.name}={getattr(obj, f.name)!r}" for f in fields(obj)]
     return "\n".join(lines)
