@@ -2,7 +2,7 @@
 
     python bench/gpu.py --out=DIR [--size=full|tiny] [--parts=tests,sample,curve,speculative,train]
                         [--train_variants=NAME,...] [--timeout=SEC] [--xla_flags="FLAGS;FLAGS..."]
-                        [--kernel_tools=xent,decode_layer,topk,matvec]
+                        [--kernel_tools=xent,norm,decode_layer,topk,matvec]
 
 Parts (each runs in its own process, so an out-of-memory variant or a crash is recorded and the
 suite goes on):
@@ -35,7 +35,8 @@ suite goes on):
   decoding step's MLP and attention blocks in their variants, and a whole greedy token against the
   copy bound), `bench/topk.py` (the sampler's top-k, exact variants) and `bench/matvec.py`
   (one-row products): whether fewer, fused kernels bring batch-1 decoding near the bandwidth bound.
-  Before them bench/xent.py times the training loss's kernel; --kernel_tools picks which run.
+  Before them bench/xent.py and bench/norm.py time the training loss's and the norms' kernels;
+  --kernel_tools picks which run.
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -96,6 +97,13 @@ TRAIN_FULL = {
     # b64-res without CUDA graphs (Runtime.command_buffers): the profile ran without them, the
     # timed step with them (BENCHMARKS.md, twenty-eighth session)
     "b64-res-nographs": ["--batch_size=64", "--residual_dtype=compute", "--runtime=command_buffers=false"],
+    # the norms' backward as gpt/ops/norm_kernel.py's kernel, with the stream's gradient added in it
+    # (XLA's two kernels a norm, about 11 ms of the H200's b64-res step); then with every kernel
+    "b64-res-norm": ["--batch_size=64", "--residual_dtype=compute", "--runtime=norm_kernel=triton"],
+    "b64-res-kernels": ["--batch_size=64", "--residual_dtype=compute",
+                        "--runtime=xent_kernel=triton,gelu_kernel=triton,norm_kernel=triton"],
+    "b128-res-kernels": ["--batch_size=128", "--residual_dtype=compute",
+                         "--runtime=xent_kernel=triton,gelu_kernel=triton,norm_kernel=triton"],
 }
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
 # XLA:GPU settings for the part "xla", aimed at what the H200 profile showed (BENCHMARKS.md): the
@@ -122,7 +130,8 @@ def sizes(size: str) -> dict:
                     spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16,
                     xla_train=["--batch_size=4"], profile_decode=["--config=tiny", "--new_tokens=8"],
                     kernels=["--chain=3", "--reps=1"], xent=["--rows=16", "--vocab=100", "--padded=128",
-                                                              "--reps=1"], test_workers=[])
+                                                              "--reps=1"],
+                    norm=["--rows=64", "--dim=96", "--reps=1"], test_workers=[])
     # chains of 5 steps synchronised once, as train.py runs them (bench/train.py --chain)
     return dict(train_preset="gpt2", train_variants=TRAIN_FULL,
                 steps=["--steps=10", "--warmup=3", "--chain=5"],
@@ -131,7 +140,7 @@ def sizes(size: str) -> dict:
                              "--log_interval=10"],
                 spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"], distill_rows=2560,
                 xla_train=["--batch_size=64"], profile_decode=["--config=gpt2", "--new_tokens=64"],
-                kernels=[], xent=[], test_workers=gpu_check_workers())
+                kernels=[], xent=[], norm=[], test_workers=gpu_check_workers())
 
 
 class Runner:
@@ -332,20 +341,20 @@ def part_profile(r: Runner, sz: dict) -> dict:
     return rows
 
 
-KERNEL_TOOLS = ("xent", "decode_layer", "topk", "matvec")  # the part "kernels": bench/<tool>.py
+KERNEL_TOOLS = ("xent", "norm", "decode_layer", "topk", "matvec")  # the part "kernels": bench/<tool>.py
 
 
 def part_kernels(r: Runner, sz: dict, tools: list[str]) -> dict:
     """The sampler at batch 1 with XLA's layers and with gpt/ops/decode_kernels.py's (`bench/sample.py
     --decode_kernels`), then `tools` of KERNEL_TOOLS: bench/xent.py (the training loss's pass over
-    the logits), bench/decode_layer.py, bench/topk.py and bench/matvec.py. Each row is the tool's
+    the logits), bench/norm.py (a block norm's backward), bench/decode_layer.py, bench/topk.py and bench/matvec.py. Each row is the tool's
     JSON (its values' errors and, on a GPU, its timings) with its exit status (1: a variant's
     values were off)."""
     rc, text, _ = r.run(sample_cmd(sz, "1") + ["--decode_kernels"])
     rows = {"sampler": (last_json(text) if rc == 0 else None) or {"error": why_failed(rc, text)}}
     r.save("kernels", rows)
     for tool in tools:
-        rc, text, _ = r.run([sys.executable, f"bench/{tool}.py", *sz["xent" if tool == "xent" else "kernels"]])
+        rc, text, _ = r.run([sys.executable, f"bench/{tool}.py", *sz.get(tool, sz["kernels"])])
         res = last_json(text)
         rows[tool] = dict(res, exit=rc) if res else {"error": why_failed(rc, text)}
         r.save("kernels", rows)
@@ -522,22 +531,36 @@ def _topk_lines(row: dict) -> list[str]:
     return lines
 
 
-def _xent_lines(row: dict) -> list[str]:
-    """bench/xent.py: each variant's difference from XLA's and, on a GPU, its time."""
-    lines = [f"The loss's pass over [{row.get('rows')}, {row.get('padded')}] logits (bench/xent.py, "
-             f"{row.get('gb', float('nan')):.1f} GB read and written once): {_status(row)}", ""]
+def _variant_lines(title: str, row: dict, checks: dict[str, str]) -> list[str]:
+    """A kernel tool's variants (bench/xent.py, bench/norm.py): each one's time on a GPU and its
+    differences from XLA's (`checks`: the row's key -> its column's heading), or its error."""
+    lines = [f"{title}: {_status(row)}", ""]
     if "variants" in row:
-        lines += ["| variant | us | GB/s | lse vs xla | target vs xla | gradient vs xla |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| variant | us | GB/s | " + " | ".join(checks.values()) + " |",
+                  "|---|---|---|" + "---|" * len(checks)]
         for name, v in row["variants"].items():
             if "error" in v:
-                lines.append(f"| {name} | {v['error'][:80]} | | | | |")
+                lines.append(f"| {name} | {v['error'][:80]} |" + " |" * (len(checks) + 1))
                 continue
             timing = f"| {v['us']:.0f} | {v['gbps']:.0f} " if "us" in v else "| - | - "
-            lines.append(f"| {name} {timing}| {v['lse']:.1e} | {v['target']:.1e} | {v['grad']:.1e}"
-                         f"{'' if v.get('passed') else ' **off**'} |")
+            diffs = " | ".join(f"{v[k]:.1e}" for k in checks)
+            lines.append(f"| {name} {timing}| {diffs}{'' if v.get('passed') else ' **off**'} |")
         lines.append("")
     return lines
+
+
+def _xent_lines(row: dict) -> list[str]:
+    """bench/xent.py: each variant's difference from XLA's and, on a GPU, its time."""
+    title = (f"The loss's pass over [{row.get('rows')}, {row.get('padded')}] logits (bench/xent.py, "
+             f"{row.get('gb', float('nan')):.1f} GB read and written once)")
+    return _variant_lines(title, row, {"lse": "lse vs xla", "target": "target vs xla", "grad": "gradient vs xla"})
+
+
+def _norm_lines(row: dict) -> list[str]:
+    """bench/norm.py: each variant's difference from XLA's and, on a GPU, its time."""
+    title = (f"A block norm's backward over [{row.get('rows')}, {row.get('dim')}] rows (bench/norm.py, "
+             f"{row.get('gb', float('nan')):.2f} GB read and written once)")
+    return _variant_lines(title, row, {"dx": "x's gradient vs xla", "sums": "sums vs xla"})
 
 
 def _kernels_table(rows: dict) -> list[str]:
@@ -546,6 +569,7 @@ def _kernels_table(rows: dict) -> list[str]:
         lines += ["The sampler at batch 1 (bench/sample.py --decode_kernels): XLA's layers, then the "
                   "decoding kernels' (`kernels`):", "", *_sample_table({"compute": rows["sampler"]}), ""]
     lines += _xent_lines(rows["xent"]) if "xent" in rows else []
+    lines += _norm_lines(rows["norm"]) if "norm" in rows else []
     lines += _layer_table(rows["decode_layer"]) if "decode_layer" in rows else []
     lines += _topk_lines(rows["topk"]) if "topk" in rows else []
     if "matvec" in rows:

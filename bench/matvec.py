@@ -99,6 +99,28 @@ def seconds_per_call(fn, *args, reps: int, carry: bool = False) -> float:
     return best
 
 
+def check_and_time(variants: dict, args: tuple, difference, moved: int, reps: int) -> dict:
+    """Each variant's values against the first's (`difference(got, want)`, a dict with "passed")
+    and, on a GPU, its microseconds a call and GB/s by `moved` bytes; a variant that fails (Triton
+    out of resources, say) is its error's row, and the others still run. Prints a line a variant."""
+    rows, want = {}, None
+    for name, fn in variants.items():
+        try:
+            f = jax.jit(fn)
+            got = jax.block_until_ready(f(*args))
+            want = got if want is None else want
+            row = difference(got, want)
+            del got
+            if jax.default_backend() == "gpu":
+                us = 1e6 * seconds_per_call(f, *args, reps=reps)
+                row.update(us=us, gbps=moved / us / 1e3)
+        except Exception as e:  # one variant out of resources is its row; the others still run
+            row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        rows[name] = row
+        print(f"{name:24s} {row}", flush=True)
+    return rows
+
+
 def check(key: jax.Array) -> float:
     """The largest relative error of every variant against a float64 product (bf16 inputs)."""
     worst = 0.0

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.matvec import seconds_per_call  # noqa: E402
+from bench.matvec import check_and_time  # noqa: E402
 from gpt.ops import cross_entropy as ce  # noqa: E402
 from gpt.ops import xent_kernel as xk  # noqa: E402
 
@@ -77,21 +77,7 @@ def main(argv: list[str]) -> int:
     t = jax.random.randint(kt, (args.rows,), 0, args.vocab)
     s = jnp.ones((args.rows,), jnp.float32)
     moved = 2 * x.size * x.dtype.itemsize
-    rows, want = {}, None
-    for name, fn in variants(args.vocab).items():
-        try:
-            f = jax.jit(fn)
-            got = jax.block_until_ready(f(x, t, s))
-            want = got if want is None else want
-            row = _difference(got, want)
-            del got
-            if GPU:
-                us = 1e6 * seconds_per_call(f, x, t, s, reps=args.reps)
-                row.update(us=us, gbps=moved / us / 1e3)
-        except Exception as e:  # one variant out of resources is its row; the others still run
-            row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
-        rows[name] = row
-        print(f"{name:20s} {row}", flush=True)
+    rows = check_and_time(variants(args.vocab), (x, t, s), _difference, moved, args.reps)
     print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": args.rows,
                       "padded": args.padded, "vocab": args.vocab, "gb": moved / 1e9, "variants": rows}))
     return 0 if all(r.get("passed") for r in rows.values()) else 1

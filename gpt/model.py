@@ -35,6 +35,7 @@ from gpt import runtime as runtime_lib
 from gpt.config import ModelConfig
 from gpt.ops import decode_kernels as dk
 from gpt.ops import gelu_kernel as gelu_lib
+from gpt.ops import norm_kernel as norm_lib
 from gpt.ops.attention import attention, cached_attention, repeat_kv_heads
 from gpt.ops.cross_entropy import LinearCE, cross_entropy, linear_cross_entropy
 from gpt.ops.dense import contract_last, decode_dense, dense
@@ -263,6 +264,19 @@ def _norm(scale, bias, alpha) -> dict:
     return {"scale": scale[...], "bias": _value(bias), "alpha": _value(alpha)}
 
 
+def norm_kernel_fits(cfg: ModelConfig) -> bool:
+    """Whether gpt/ops/norm_kernel.py computes this model's norms: LayerNorm and RMSNorm, not DyT."""
+    return cfg.norm in ("layernorm", "rmsnorm")
+
+
+def kernel_norm(x_BTD: jax.Array, scale, bias, cfg: ModelConfig, rt: Runtime, stream: bool):
+    """The norm of x in the products' dtype with gpt/ops/norm_kernel.py's backward (`Runtime.norm_kernel`):
+    `norm_stream`'s (x, norm(x)) when `stream`, else `norm`'s norm(x)."""
+    t = norm_lib.Tiles(interpret=rt.norm_kernel == "interpret")
+    fn = norm_lib.norm_stream if stream else norm_lib.norm
+    return fn(x_BTD, scale[...], _value(bias), cfg.norm_eps, cfg.norm == "layernorm", jnp.dtype(rt.dtype), t)
+
+
 # The dense weights `Block.linear` multiplies by and their einsum specs (x's axes, the weight's ->
 # the product's); `for_decoding` holds them permuted by `contract_last` of these (CPU, GPU).
 SPECS = {"w_qkv": "btd,dchk->btchk", "w_q": "btd,dhk->bthk", "w_kv": "btd,dcgk->btcgk",
@@ -349,6 +363,16 @@ class Block(nnx.Module):
             xc_BTD, rstd_BT1 = norm_factors(x_BTD, cfg.norm_eps, cfg.norm == "layernorm")
             return Normed(xc_BTD * scale[...], rstd_BT1)
         return normalize(x_BTD, _norm(scale, bias, alpha), cfg)
+
+    def norm_stream(self, x_BTD, which: str, cfg: ModelConfig, rt: Runtime, training: bool):
+        """(x, the block's norm `which` of x). With `Runtime.norm_kernel`, in training and
+        evaluation (`training`: no cache), the norm's backward is gpt/ops/norm_kernel.py's kernel,
+        which adds x's gradient through the residual stream in the same pass; a MoE block's second
+        norm keeps XLA's (its router takes the rows in float32, the kernel's are in the products' dtype)."""
+        if rt.norm_kernel and training and norm_kernel_fits(cfg) and not (self.moe and which == "ln2"):
+            return kernel_norm(x_BTD, getattr(self, f"{which}_scale"), getattr(self, f"{which}_bias"),
+                               cfg, rt, stream=True)
+        return x_BTD, self.norm_in(x_BTD, which, cfg, rt)
 
     def linear(self, name: str, x: "jax.Array | Normed", spec: str, mm, key=None):
         """x times the weight `name`, plus its LoRA update if it has an adapter (`key`: the
@@ -441,7 +465,7 @@ class Block(nnx.Module):
         lora_key = None if key is None else jax.random.fold_in(key, 3)  # the adapters' dropout
         mm = _matmul(rt, rt.matmul_out)
 
-        h_BTD = self.norm_in(x_BTD, "ln1", cfg, rt)
+        x_BTD, h_BTD = self.norm_stream(x_BTD, "ln1", cfg, rt, cache_write is None)
         q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
                                   for a in self.qkv(h_BTD, positions_BT, cfg, mm, lora_key,
                                                     split=rt.cpu_layouts))
@@ -455,7 +479,7 @@ class Block(nnx.Module):
         attn_BTD = _add_bias(self.linear("w_o", y_BTHK, SPECS["w_o"], mm, lora_key), self.b_o)
         x_BTD = (x_BTD + dropout(attn_BTD, rt.dropout, keys[1])).astype(x_BTD.dtype)
 
-        h_BTD = self.norm_in(x_BTD, "ln2", cfg, rt)
+        x_BTD, h_BTD = self.norm_stream(x_BTD, "ln2", cfg, rt, cache_write is None)
         if self.moe:
             mlp_BTD, stats = self.experts(h_BTD, cfg, rt, capacity_factor)
         else:
@@ -545,7 +569,10 @@ class GPT(nnx.Module):
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         x_BTD = dropout(x_BTD, self.rt.dropout, keys[0]).astype(self.rt.residual)
         x_BTD, cache, stats = self._layers(x_BTD, cache, positions_BT, mask_BTS, keys[1], capacity_factor)
-        x_BTD = normalize(x_BTD, _norm(self.lnf_scale, self.lnf_bias, self.lnf_alpha), cfg)
+        if self.rt.norm_kernel and cache is None and norm_kernel_fits(cfg):
+            x_BTD = kernel_norm(x_BTD, self.lnf_scale, self.lnf_bias, cfg, self.rt, stream=False)
+        else:
+            x_BTD = normalize(x_BTD, _norm(self.lnf_scale, self.lnf_bias, self.lnf_alpha), cfg)
         if hidden:
             return x_BTD, cache, stats
         rt = self.rt

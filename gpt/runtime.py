@@ -31,7 +31,8 @@ from gpt.ops.attention import ATTENTION_BLOCK
 
 _USER_ATTENTION = {"einsum": "reference", "xla": "xla", "cudnn": "cudnn"}
 DECODE_WEIGHTS = ("rows", "dot", "")  # Runtime.decode_weights
-PALLAS_MODES = ("triton", "interpret", "")  # Runtime.decode_kernels, xent_kernel and gelu_kernel
+PALLAS_MODES = ("triton", "interpret", "")  # Runtime.decode_kernels, xent_kernel, gelu_kernel, norm_kernel
+TRAINING_KERNELS = ("xent_kernel", "gelu_kernel", "norm_kernel")  # one device each (`on_mesh`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,11 @@ class Runtime:
     # block with the activation recomputed: `Block.mlp`), "triton" or "interpret" as above; "" XLA's
     # fusions. Off until a GPU has timed it (bench/train.py --runtime=gelu_kernel=triton)
     gelu_kernel: str = ""
+    # The block norms' and the final norm's backward (LayerNorm, RMSNorm) as gpt/ops/norm_kernel.py's
+    # kernel, which also adds the residual stream's own gradient (`Block.norm_stream`), "triton" or
+    # "interpret" as above; "" XLA's fusions. Off until a GPU has timed it (bench/train.py
+    # --runtime=norm_kernel=triton)
+    norm_kernel: str = ""
     # XLA:GPU's command buffers (CUDA graphs) in the compiled training step. XLA updates a graph's
     # commands whose buffers moved since its last launch (the step's temporaries, the batches may
     # move every step), and it profiled the H200's step without graphs (as under any jax.profiler
@@ -93,13 +99,13 @@ class Runtime:
     def __post_init__(self) -> None:
         if self.decode_weights not in DECODE_WEIGHTS:  # a typo would transpose, then multiply wrongly
             raise ValueError(f"decode_weights={self.decode_weights!r}: one of {DECODE_WEIGHTS}")
-        for name in ("decode_kernels", "xent_kernel", "gelu_kernel"):
+        for name in ("decode_kernels", *TRAINING_KERNELS):
             if getattr(self, name) not in PALLAS_MODES:
                 raise ValueError(f"{name}={getattr(self, name)!r}: one of {PALLAS_MODES}")
-        if (self.xent_kernel or self.gelu_kernel) and self.mesh is not None and self.mesh.size > 1:
+        if any(getattr(self, k) for k in TRAINING_KERNELS) and self.mesh is not None and self.mesh.size > 1:
             # a pallas_call has no sharding rule: XLA would gather every row onto every device
-            raise ValueError("xent_kernel and gelu_kernel run on one device; a mesh of several would "
-                             "gather their operands")
+            raise ValueError(f"{', '.join(TRAINING_KERNELS)} run on one device; a mesh of several "
+                             "would gather their operands")
 
 
 def compiler_options(rt: Runtime) -> dict[str, str]:
@@ -109,11 +115,11 @@ def compiler_options(rt: Runtime) -> dict[str, str]:
 
 
 def on_mesh(rt: Runtime, mesh) -> Runtime:
-    """`rt` training over `mesh`. The Pallas training kernels (xent_kernel, gelu_kernel) have no
-    sharding rule and run on one device, so over a mesh of several they give way to XLA's path (a
-    GPU default would otherwise stop every sharded run)."""
+    """`rt` training over `mesh`. The Pallas training kernels (TRAINING_KERNELS) have no sharding
+    rule and run on one device, so over a mesh of several they give way to XLA's path (a GPU
+    default would otherwise stop every sharded run)."""
     several = mesh is not None and mesh.size > 1
-    return dataclasses.replace(rt, mesh=mesh, **(dict(xent_kernel="", gelu_kernel="") if several else {}))
+    return dataclasses.replace(rt, mesh=mesh, **(dict.fromkeys(TRAINING_KERNELS, "") if several else {}))
 
 
 def decode_kernels_on(backend: str) -> str:

@@ -54,8 +54,8 @@ def test_bench_runtime_override():
         "lse_one_pass": False, "mlp_recompute": True}
     assert runtime_override("") == {}
     assert runtime_override("dense_vjp=0") == {"dense_vjp": False}  # train.py's spellings of a bool
-    assert runtime_override("xent_kernel=interpret,gelu_kernel=interpret") == {
-        "xent_kernel": "interpret", "gelu_kernel": "interpret"}
+    assert runtime_override("xent_kernel=interpret,gelu_kernel=interpret,norm_kernel=interpret") == {
+        "xent_kernel": "interpret", "gelu_kernel": "interpret", "norm_kernel": "interpret"}
     assert runtime_override("xent_kernel=triton") == {"xent_kernel": "triton"}  # compiled for a GPU anywhere
     assert runtime_override("command_buffers=false") == {"command_buffers": False}
     with pytest.raises(UserError, match="xent_kernel=triton needs a GPU"):  # timed only on one
@@ -415,7 +415,7 @@ def test_gpu_suite_kernel_tools_are_checked(tmp_path, capsys):
     from bench import gpu as suite
     with pytest.raises(SystemExit) as e:
         suite.main([f"--out={tmp_path}", "--parts=kernels", "--kernel_tools=xent,bogus"])
-    assert e.value.code == 2 and "--kernel_tools=xent,bogus: some of xent, decode_layer" in capsys.readouterr().err
+    assert e.value.code == 2 and "--kernel_tools=xent,bogus: some of xent, norm, decode_layer" in capsys.readouterr().err
 
 
 def test_gpu_suite_train_variants_are_checked(tmp_path, capsys):
@@ -443,6 +443,22 @@ def test_xent_bench_checks_every_variant_against_xla(monkeypatch, capsys):
         **good(vocab), "off": lambda x, t, s: (lambda r: (r[0], r[1] + 1.0, r[2]))(good(vocab)["xla"](x, t, s))})
     assert xent.main(["--rows=6", "--vocab=50", "--padded=64", "--reps=1"]) == 1
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["variants"]["off"]["target"] == 1.0
+
+
+def test_norm_bench_checks_every_variant_against_xla(monkeypatch, capsys):
+    """bench/norm.py off a GPU: every kernel variant's gradients checked against XLA's backward of
+    the model's norm (the kernels in the interpreter), no timings; one whose sums are off fails
+    the run."""
+    from bench import norm
+    assert norm.main(["--rows=64", "--dim=96", "--reps=1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["variants"]) == 1 + len(norm.TILES)
+    assert all(v["passed"] and "us" not in v for v in out["variants"].values())
+    good = norm.variants
+    monkeypatch.setattr(norm, "variants", lambda: {
+        **good(), "off": lambda *a: (lambda r: (r[0], r[1] * 1.01))(good()["xla"](*a))})
+    assert norm.main(["--rows=64", "--dim=96", "--reps=1"]) == 1
+    assert not json.loads(capsys.readouterr().out.strip().splitlines()[-1])["variants"]["off"]["passed"]
 
 
 def test_decode_layer_fastest_needs_passing_values():
@@ -496,7 +512,7 @@ def test_decode_layer_mixed_chains_match_xlas():
 @pytest.mark.slow  # 20 s: both tools in Pallas's interpreter
 def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     """bench/gpu.py --parts=kernels: the sampler with and without the decoding kernels, and
-    xent.py, decode_layer.py, topk.py and matvec.py run, their values are checked and gpu.md
+    xent.py, norm.py, decode_layer.py, topk.py and matvec.py run, their values are checked and gpu.md
     tables them (no timings of the kernels' variants off a GPU)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}", "--size=tiny",
@@ -514,6 +530,8 @@ def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     assert "| compute | tiny, kernels | 1 |" in md
     assert rows["xent"]["exit"] == 0 and all(v["passed"] and "us" not in v for v in rows["xent"]["variants"].values())
     assert "| rows W4096 w8 | - | - |" in md
+    assert rows["norm"]["exit"] == 0 and all(v["passed"] and "us" not in v for v in rows["norm"]["variants"].values())
+    assert "| kernel 2/16/256 w4 | - | - |" in md
 
 
 def test_gpu_suite_tables_kernel_timings():

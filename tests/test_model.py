@@ -403,26 +403,52 @@ def test_chunked_loss_is_the_same_loss(arch):
         assert sa[1] == sb[1] and abs(sa[0] - sb[0]) < 1e-4 * sa[1]
 
 
+def _same_objective_with_kernel(cfg, x, scan: bool, field: str, runs: bool, atol: float) -> None:
+    """The training objective's value and every gradient with the Pallas kernel `field` of
+    Runtime (in Pallas's interpreter) equal XLA's path, and the kernel runs exactly when `runs`."""
+    from gpt import train
+    results = {}
+    for kernel in ("", "interpret"):
+        gd, params = nnx.split(make(cfg, attention="reference", scan_layers=scan, **{field: kernel}))
+        fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining())[0]  # noqa: E731
+        ran = "pallas_call" in str(jax.make_jaxpr(jax.grad(fn))(params))
+        assert ran == (bool(kernel) and runs), (cfg, field, kernel)
+        results[kernel] = jax.jit(jax.value_and_grad(fn))(params)
+    (la, ga), (lb, gb) = results[""], results["interpret"]
+    np.testing.assert_allclose(float(la), float(lb), rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=atol), ga, gb)
+
+
 def test_gelu_kernel_is_the_same_training_objective():
     """Runtime.gelu_kernel: GPT-2's MLP activation and its backward as gpt/ops/gelu_kernel.py's
     kernels (Pallas's interpreter here) give the training objective's value and every gradient of
     XLA's, unrolled and scanned; a block without GPT-2's tanh GELU (SwiGLU) keeps XLA's, and so
     does decoding (a few rows a step, never timed through them)."""
-    from gpt import train
     x = tokens(2, 8, 61)
     for cfg in (tiny_model_config(vocab_size=61), tiny_model_config(vocab_size=61, mlp="swiglu")):
         for scan in (False, True):
-            results = {}
-            for kernel in ("", "interpret"):
-                gd, params = nnx.split(make(cfg, attention="reference", scan_layers=scan, gelu_kernel=kernel))
-                fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining())[0]  # noqa: E731
-                ran = "pallas_call" in str(jax.make_jaxpr(jax.grad(fn))(params))
-                assert ran == (bool(kernel) and cfg.mlp == "gelu")
-                results[kernel] = jax.jit(jax.value_and_grad(fn))(params)
-            (la, ga), (lb, gb) = results[""], results["interpret"]
-            np.testing.assert_allclose(float(la), float(lb), rtol=1e-6)
-            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), ga, gb)
+            _same_objective_with_kernel(cfg, x, scan, "gelu_kernel", cfg.mlp == "gelu", atol=1e-6)
     model = make(tiny_model_config(vocab_size=61), attention="reference", gelu_kernel="interpret")
+    cache = M.init_cache(model.cfg, 2, 16, jnp.float32)
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda x: model(x, cache=cache))(x))
+
+
+def test_norm_kernel_is_the_same_training_objective():
+    """Runtime.norm_kernel: the norms' backward as gpt/ops/norm_kernel.py's kernel (Pallas's
+    interpreter here), the stream's gradient added in it, gives the training objective's value and
+    every gradient of XLA's, unrolled and scanned, for GPT-2's LayerNorm, one without biases,
+    Llama's RMSNorm and a MoE model (whose router's norm keeps XLA's); DyT keeps XLA's, and so
+    does decoding."""
+    x = tokens(2, 8, 61)
+    configs = {"gpt2": {}, "nobias": dict(bias=False),
+               "llama": dict(norm="rmsnorm", mlp="swiglu", pos_embedding="rope", bias=False, n_kv_head=1),
+               "moe": dict(n_layer=4, n_expert=4, n_expert_per_token=2, moe_every=2),
+               "dyt": dict(norm="dyt")}
+    for name, kw in configs.items():
+        for scan in (False, True) if name == "gpt2" else (False,):
+            _same_objective_with_kernel(tiny_model_config(vocab_size=61, **kw), x, scan, "norm_kernel",
+                                        name != "dyt", atol=2e-6)
+    model = make(tiny_model_config(vocab_size=61), attention="reference", norm_kernel="interpret")
     cache = M.init_cache(model.cfg, 2, 16, jnp.float32)
     assert "pallas_call" not in str(jax.make_jaxpr(lambda x: model(x, cache=cache))(x))
 

@@ -82,9 +82,17 @@ def _centre(x32: jax.Array) -> tuple[jax.Array, jax.Array]:
     zero), at worst D when the shift is the one outlier that dominates the row (two of the first
     three entries outliers). The centred row d - E[d] is never rounded through the mean itself
     (more exact than the two-pass formula for rows far from zero); a constant row gives exactly 0."""
-    d = x32 - _shift(x32)
+    shift, d_mean, var = row_moments(x32)
+    return (x32 - shift) - d_mean, var
+
+
+def row_moments(x32: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`_centre`'s parts [..., 1]: the shift, the mean of x - shift and the variance. The rows
+    centred are (x - shift) - mean, in that order (gpt/ops/norm_kernel.py recomputes them so)."""
+    shift = _shift(x32)
+    d = x32 - shift
     d_mean = _row_mean(d)
-    return d - d_mean, jnp.maximum(_row_mean(jnp.square(d)) - jnp.square(d_mean), 0.0)
+    return shift, d_mean, jnp.maximum(_row_mean(jnp.square(d)) - jnp.square(d_mean), 0.0)
 
 
 def norm_factors(x: jax.Array, eps: float, centre: bool) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,100 @@
+"""gpt/ops/norm_kernel.py against float64, in Pallas's interpreter (and, marked `gpu`, as a Triton
+kernel: `pytest -m gpu`): LayerNorm with and without a bias and RMSNorm, the stream's gradient
+added or not, tiles fitted to shapes they do not divide, bf16 inputs. Its speed is a GPU's
+(bench/train.py --runtime=norm_kernel=triton)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gpt.ops import norm_kernel as nk
+from gpt.ops.norm import layer_norm_reference, rms_norm_reference
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
+WHERE = [pytest.param(True, id="interpreter"), pytest.param(False, id="triton", marks=ON_GPU)]
+KINDS = ["layernorm", "layernorm-nobias", "rmsnorm"]
+
+
+def _f64(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _reference(x, scale, bias, g, gx, centre: bool):
+    """float64 norm of x, and the gradients of sum(g * norm(x)) + sum(gx * x) for x, scale, bias."""
+    x, scale, g = _f64(x), _f64(scale), _f64(g)
+    xc = x - x.mean(-1, keepdims=True) if centre else x
+    rstd = 1.0 / np.sqrt(np.square(xc).mean(-1, keepdims=True) + 1e-5)
+    xhat = xc * rstd
+    y = xhat * scale + (0.0 if bias is None else _f64(bias))
+    gs = g * scale
+    d = gs - gs.mean(-1, keepdims=True) if centre else gs
+    dx = rstd * (d - xhat * (gs * xhat).mean(-1, keepdims=True)) + _f64(gx)
+    D = x.shape[-1]
+    return y, dx, (g * xhat).reshape(-1, D).sum(0), g.reshape(-1, D).sum(0)
+
+
+def _inputs(shape, dtype, kind):
+    k = jax.random.split(jax.random.key(sum(shape)), 5)
+    x = (3.0 + 2.0 * jax.random.normal(k[0], shape)).astype(dtype)  # rows off zero, as trained streams are
+    scale = 1.0 + 0.1 * jax.random.normal(k[1], shape[-1:])
+    bias = None if kind != "layernorm" else 0.1 * jax.random.normal(k[2], shape[-1:])
+    g = jax.random.normal(k[3], shape).astype(dtype)
+    gx = jax.random.normal(k[4], shape).astype(dtype)
+    return x, scale, bias, g, gx
+
+
+@pytest.mark.parametrize("interpret", WHERE)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape,tiles", [((2, 12, 96), (8, 4, 256)), ((4, 16, 64), (2, 2, 16))],
+                         ids=["fitted", "tiled"])  # tiles larger than the shape: shrunk to divide it
+def test_norm_stream_matches_float64(shape, tiles, kind, dtype, interpret):
+    x, scale, bias, g, gx = _inputs(shape, dtype, kind)
+    centre = kind != "rmsnorm"
+    t = nk.Tiles(*tiles, interpret=interpret)
+    (x_out, y), vjp = jax.vjp(lambda a, s, b: nk.norm_stream(a, s, b, 1e-5, centre, jnp.dtype(dtype), t),
+                              x, scale, bias)
+    dx, ds, db = vjp((gx, g))
+    want = _reference(x, scale, bias, g, gx, centre)
+    assert x_out is x or np.array_equal(np.asarray(x_out), np.asarray(x))
+    assert y.dtype == dx.dtype == x.dtype and ds.dtype == scale.dtype and (db is None) == (bias is None)
+    tol = 1e-5 if dtype == "float32" else 2e-2  # bf16: one rounding of the result
+    for got, ref in ((y, want[0]), (dx, want[1])):
+        np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(ds), want[2], rtol=1e-5, atol=1e-4)  # float32 sums
+    if bias is not None:
+        np.testing.assert_allclose(np.asarray(db), want[3], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("interpret", WHERE)
+@pytest.mark.parametrize("kind", KINDS)
+def test_norm_equals_the_references_and_their_gradients(kind, interpret):
+    """`norm` (no stream) against autodiff of gpt/ops/norm.py's references, in float32."""
+    x, scale, bias, g, _ = _inputs((3, 8, 128), "float32", kind)
+    centre = kind != "rmsnorm"
+    t = nk.Tiles(interpret=interpret)
+
+    def ref(a, s, b):
+        return layer_norm_reference(a, s, b) if centre else rms_norm_reference(a, s)
+
+    got = jax.vjp(lambda a, s, b: nk.norm(a, s, b, 1e-5, centre, jnp.dtype("float32"), t), x, scale, bias)
+    want = jax.vjp(ref, x, scale, bias)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[1](g), want[1](g)):
+        if b is not None:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_a_constant_row_has_a_finite_gradient():
+    """A constant row (variance 0) normalises to 0 with 1/std = 1/sqrt(eps): finite, as XLA's."""
+    x = jnp.ones((2, 4, 64)).at[0, 0].set(jnp.arange(64.0))
+    (_, y), vjp = jax.vjp(lambda a: nk.norm_stream(a, jnp.ones(64), None, 1e-5, True, jnp.dtype("float32"),
+                                                   nk.Tiles(interpret=True)), x)
+    dx = vjp((jnp.zeros_like(x), jnp.ones_like(x)))[0]
+    assert np.isfinite(np.asarray(y)).all() and np.isfinite(np.asarray(dx)).all()
+
+
+def test_tiles_fit_powers_of_two_that_divide():
+    assert nk.fit(nk.Tiles(), 65536, 768)[:3] == (2, 16, 256)
+    assert nk.fit(nk.Tiles(), 24, 96)[:3] == (2, 4, 32)
+    assert nk.fit(nk.Tiles(), 7, 4096)[:3] == (1, 1, 256)
