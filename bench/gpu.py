@@ -2,7 +2,7 @@
 
     python bench/gpu.py --out=DIR [--size=full|tiny] [--parts=tests,sample,curve,speculative,train]
                         [--train_variants=NAME,...] [--timeout=SEC] [--xla_flags="FLAGS;FLAGS..."]
-                        [--kernel_tools=xent,norm,decode_layer,topk,matvec]
+                        [--kernel_tools=xent,norm,gelu,decode_layer,topk,matvec]
 
 Parts (each runs in its own process, so an out-of-memory variant or a crash is recorded and the
 suite goes on):
@@ -35,8 +35,8 @@ suite goes on):
   decoding step's MLP and attention blocks in their variants, and a whole greedy token against the
   copy bound), `bench/topk.py` (the sampler's top-k, exact variants) and `bench/matvec.py`
   (one-row products): whether fewer, fused kernels bring batch-1 decoding near the bandwidth bound.
-  Before them bench/xent.py and bench/norm.py time the training loss's and the norms' kernels;
-  --kernel_tools picks which run.
+  Before them bench/xent.py, bench/norm.py and bench/gelu.py time the training loss's, the norms'
+  and the MLP activation's kernels; --kernel_tools picks which run.
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -131,7 +131,8 @@ def sizes(size: str) -> dict:
                     xla_train=["--batch_size=4"], profile_decode=["--config=tiny", "--new_tokens=8"],
                     kernels=["--chain=3", "--reps=1"], xent=["--rows=16", "--vocab=100", "--padded=128",
                                                               "--reps=1"],
-                    norm=["--rows=64", "--dim=96", "--reps=1"], test_workers=[])
+                    norm=["--rows=64", "--dim=96", "--reps=1"], gelu=["--rows=64", "--ffn=512", "--reps=1"],
+                    test_workers=[])
     # chains of 5 steps synchronised once, as train.py runs them (bench/train.py --chain)
     return dict(train_preset="gpt2", train_variants=TRAIN_FULL,
                 steps=["--steps=10", "--warmup=3", "--chain=5"],
@@ -140,7 +141,7 @@ def sizes(size: str) -> dict:
                              "--log_interval=10"],
                 spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"], distill_rows=2560,
                 xla_train=["--batch_size=64"], profile_decode=["--config=gpt2", "--new_tokens=64"],
-                kernels=[], xent=[], norm=[], test_workers=gpu_check_workers())
+                kernels=[], xent=[], norm=[], gelu=[], test_workers=gpu_check_workers())
 
 
 class Runner:
@@ -341,13 +342,14 @@ def part_profile(r: Runner, sz: dict) -> dict:
     return rows
 
 
-KERNEL_TOOLS = ("xent", "norm", "decode_layer", "topk", "matvec")  # the part "kernels": bench/<tool>.py
+KERNEL_TOOLS = ("xent", "norm", "gelu", "decode_layer", "topk", "matvec")  # the part "kernels": bench/<tool>.py
 
 
 def part_kernels(r: Runner, sz: dict, tools: list[str]) -> dict:
     """The sampler at batch 1 with XLA's layers and with gpt/ops/decode_kernels.py's (`bench/sample.py
     --decode_kernels`), then `tools` of KERNEL_TOOLS: bench/xent.py (the training loss's pass over
-    the logits), bench/norm.py (a block norm's backward), bench/decode_layer.py, bench/topk.py and bench/matvec.py. Each row is the tool's
+    the logits), bench/norm.py (a block norm's backward), bench/gelu.py (the MLP's activation),
+    bench/decode_layer.py, bench/topk.py and bench/matvec.py. Each row is the tool's
     JSON (its values' errors and, on a GPU, its timings) with its exit status (1: a variant's
     values were off)."""
     rc, text, _ = r.run(sample_cmd(sz, "1") + ["--decode_kernels"])
@@ -563,6 +565,14 @@ def _norm_lines(row: dict) -> list[str]:
     return _variant_lines(title, row, {"dx": "x's gradient vs xla", "sums": "sums vs xla"})
 
 
+def _gelu_lines(row: dict) -> list[str]:
+    """bench/gelu.py: each variant's difference from float32 math and, on a GPU, its time."""
+    title = (f"The MLP's bias and GELU, forward and backward, over [{row.get('rows')}, {row.get('ffn')}] "
+             f"(bench/gelu.py, {row.get('gb', float('nan')):.1f} GB)")
+    return _variant_lines(title, row, {"y": "activation vs float32", "dfc": "fc's gradient vs float32",
+                                       "db": "bias's gradient vs float32"})
+
+
 def _kernels_table(rows: dict) -> list[str]:
     lines = []
     if "sampler" in rows:
@@ -570,6 +580,7 @@ def _kernels_table(rows: dict) -> list[str]:
                   "decoding kernels' (`kernels`):", "", *_sample_table({"compute": rows["sampler"]}), ""]
     lines += _xent_lines(rows["xent"]) if "xent" in rows else []
     lines += _norm_lines(rows["norm"]) if "norm" in rows else []
+    lines += _gelu_lines(rows["gelu"]) if "gelu" in rows else []
     lines += _layer_table(rows["decode_layer"]) if "decode_layer" in rows else []
     lines += _topk_lines(rows["topk"]) if "topk" in rows else []
     if "matvec" in rows:

@@ -99,11 +99,12 @@ def seconds_per_call(fn, *args, reps: int, carry: bool = False) -> float:
     return best
 
 
-def check_and_time(variants: dict, args: tuple, difference, moved: int, reps: int) -> dict:
-    """Each variant's values against the first's (`difference(got, want)`, a dict with "passed")
-    and, on a GPU, its microseconds a call and GB/s by `moved` bytes; a variant that fails (Triton
-    out of resources, say) is its error's row, and the others still run. Prints a line a variant."""
-    rows, want = {}, None
+def check_and_time(variants: dict, args: tuple, difference, moved: int, reps: int, want=None) -> dict:
+    """Each variant's values against `want` or else the first variant's (`difference(got, want)`,
+    a dict with "passed") and, on a GPU, its microseconds a call and GB/s by `moved` bytes; a
+    variant that fails (Triton out of resources, say) is its error's row, and the others still
+    run. Prints a line a variant."""
+    rows = {}
     for name, fn in variants.items():
         try:
             f = jax.jit(fn)

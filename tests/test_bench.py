@@ -415,7 +415,7 @@ def test_gpu_suite_kernel_tools_are_checked(tmp_path, capsys):
     from bench import gpu as suite
     with pytest.raises(SystemExit) as e:
         suite.main([f"--out={tmp_path}", "--parts=kernels", "--kernel_tools=xent,bogus"])
-    assert e.value.code == 2 and "--kernel_tools=xent,bogus: some of xent, norm, decode_layer" in capsys.readouterr().err
+    assert e.value.code == 2 and "--kernel_tools=xent,bogus: some of xent, norm, gelu, decode_layer" in capsys.readouterr().err
 
 
 def test_gpu_suite_train_variants_are_checked(tmp_path, capsys):
@@ -458,6 +458,22 @@ def test_norm_bench_checks_every_variant_against_xla(monkeypatch, capsys):
     monkeypatch.setattr(norm, "variants", lambda: {
         **good(), "off": lambda *a: (lambda r: (r[0], r[1] * 1.01))(good()["xla"](*a))})
     assert norm.main(["--rows=64", "--dim=96", "--reps=1"]) == 1
+    assert not json.loads(capsys.readouterr().out.strip().splitlines()[-1])["variants"]["off"]["passed"]
+
+
+def test_gelu_bench_checks_every_variant_against_float32(monkeypatch, capsys):
+    """bench/gelu.py off a GPU: every kernel variant's activation and gradients checked against the
+    same math in float32 (the kernels in the interpreter), XLA's path shown but not held to it, no
+    timings; a kernel whose bias gradient is off fails the run."""
+    from bench import gelu
+    assert gelu.main(["--rows=32", "--ffn=256", "--reps=1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["variants"]) == 1 + len(gelu.TILES) and out["variants"]["xla"]["dfc"] > 1e-2
+    assert all(v["passed"] and "us" not in v for v in out["variants"].values())
+    good = gelu.variants
+    monkeypatch.setattr(gelu, "variants", lambda: {
+        **good(), "off": lambda *a: (lambda r: (r[0], r[1], r[2] * 1.01))(good()["kernel 32/256 w8"](*a))})
+    assert gelu.main(["--rows=32", "--ffn=256", "--reps=1"]) == 1
     assert not json.loads(capsys.readouterr().out.strip().splitlines()[-1])["variants"]["off"]["passed"]
 
 
@@ -512,7 +528,7 @@ def test_decode_layer_mixed_chains_match_xlas():
 @pytest.mark.slow  # 20 s: both tools in Pallas's interpreter
 def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     """bench/gpu.py --parts=kernels: the sampler with and without the decoding kernels, and
-    xent.py, norm.py, decode_layer.py, topk.py and matvec.py run, their values are checked and gpu.md
+    xent.py, norm.py, gelu.py, decode_layer.py, topk.py and matvec.py run, their values are checked and gpu.md
     tables them (no timings of the kernels' variants off a GPU)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}", "--size=tiny",
@@ -532,6 +548,8 @@ def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     assert "| rows W4096 w8 | - | - |" in md
     assert rows["norm"]["exit"] == 0 and all(v["passed"] and "us" not in v for v in rows["norm"]["variants"].values())
     assert "| kernel 2/16/256 w4 | - | - |" in md
+    assert rows["gelu"]["exit"] == 0 and all(v["passed"] and "us" not in v for v in rows["gelu"]["variants"].values())
+    assert "| kernel 32/256 w8 | - | - |" in md
 
 
 def test_gpu_suite_tables_kernel_timings():
