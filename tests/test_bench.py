@@ -384,6 +384,24 @@ def test_gpu_suite_train_variant_flags_come_last():
     assert (opts["chain"], opts["steps"], opts["warmup"]) == (20, 4, 1)
 
 
+def test_gpu_suite_every_train_variant_parses():
+    """Each train variant of both sizes is a command bench/train.py takes: its timing options, its
+    --runtime overrides and train.py's settings parse and build here, so a GPU call spends no time
+    on a variant that a typo would end at once."""
+    from bench import gpu as suite
+    from bench.train import runtime_override, split_bench_args
+    from gpt.config import build_train
+    for size in ("full", "tiny"):
+        sz = suite.sizes(size)
+        for name, flags in sz["train_variants"].items():
+            opts, rest = split_bench_args(suite.train_cmd(sz, flags)[2:])
+            runtime_override(opts["runtime"])
+            m, _, t, _ = build_train(rest)
+            batch = [int(f.split("=")[1]) for f in flags if f.startswith("--batch_size=")]
+            assert [t.batch_size] == batch, name  # the variant's own batch, on the size's model
+            assert size == "tiny" or (m.n_layer, m.block_size) == (12, 1024), name  # GPT-2 at T=1024
+
+
 def test_gpu_suite_train_order_and_logged_xla_flags(tmp_path):
     """Named variants run in the order named (the deciding ones first when time is short), all of
     them in the table's order; a setting added to XLA_FLAGS (the part "xla") shows in gpu.log."""
