@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.matvec import GPU, seconds_per_call  # noqa: E402
+from bench.timing import GPU, seconds_per_call  # noqa: E402
 from gpt.ops import decode_kernels as dk  # noqa: E402
 from gpt.ops.decode_kernels import Flow, gelu, start_flow  # noqa: E402
 from gpt.ops.norm import layer_norm  # noqa: E402

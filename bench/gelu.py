@@ -30,12 +30,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.matvec import check_and_time  # noqa: E402
+from bench.timing import GPU, check_and_time  # noqa: E402
 from gpt.config import ModelConfig  # noqa: E402
 from gpt.model import mlp_activation  # noqa: E402
 from gpt.ops import gelu_kernel as gk  # noqa: E402
 
-GPU = jax.default_backend() == "gpu"
 # (rows, columns, warps) of a tile; the first is the kernel's default. ptxas (H200, offline),
 # backward/forward registers: 64/44, 72/46, 107/100, 128/96, 73/46; no spills
 TILES = [(32, 256, 8), (16, 256, 4), (64, 256, 8), (32, 512, 8), (16, 512, 8)]

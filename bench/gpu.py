@@ -342,7 +342,8 @@ def part_profile(r: Runner, sz: dict) -> dict:
     return rows
 
 
-KERNEL_TOOLS = ("xent", "norm", "gelu", "decode_layer", "topk", "matvec")  # the part "kernels": bench/<tool>.py
+# the part "kernels": bench/<tool>.py
+KERNEL_TOOLS = ("xent", "norm", "gelu", "decode_layer", "topk", "matvec")
 
 
 def part_kernels(r: Runner, sz: dict, tools: list[str]) -> dict:
@@ -555,7 +556,8 @@ def _xent_lines(row: dict) -> list[str]:
     """bench/xent.py: each variant's difference from XLA's and, on a GPU, its time."""
     title = (f"The loss's pass over [{row.get('rows')}, {row.get('padded')}] logits (bench/xent.py, "
              f"{row.get('gb', float('nan')):.1f} GB read and written once)")
-    return _variant_lines(title, row, {"lse": "lse vs xla", "target": "target vs xla", "grad": "gradient vs xla"})
+    return _variant_lines(title, row, {"lse": "lse vs xla", "target": "target vs xla",
+                                       "grad": "gradient vs xla"})
 
 
 def _norm_lines(row: dict) -> list[str]:

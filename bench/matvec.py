@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,9 +27,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
+from bench.timing import GPU, seconds_per_call  # noqa: E402
 from gpt.ops.pallas_util import triton_params  # noqa: E402
 
-GPU = jax.default_backend() == "gpu"
 SHAPES = [(768, 2304), (768, 3072), (3072, 768), (768, 768)]  # [in, out]: qkv, fc, proj, attention out
 # (block of output columns, block of the input, input slices (split-K; 0: one per BK), warps)
 PALLAS = [(32, 256, 1, 4), (64, 256, 1, 4), (64, 256, 0, 4), (128, 128, 0, 4), (128, 256, 0, 8)]
@@ -82,44 +81,6 @@ def chain(product, ws: list[jax.Array], x: jax.Array) -> jax.Array:
         n = x.shape[0]
         x = (y[:n] if y.shape[0] >= n else jnp.tile(y, n // y.shape[0])).astype(x.dtype) * 0.5
     return x
-
-
-def seconds_per_call(fn, *args, reps: int, carry: bool = False) -> float:
-    """Best of three batches of `reps` asynchronous calls (dispatch overlaps the device work).
-    `carry`: each call takes the last one's output as its last argument (a state it donates)."""
-    out = jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            args = (*args[:-1], out) if carry else args
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
-
-
-def check_and_time(variants: dict, args: tuple, difference, moved: int, reps: int, want=None) -> dict:
-    """Each variant's values against `want` or else the first variant's (`difference(got, want)`,
-    a dict with "passed") and, on a GPU, its microseconds a call and GB/s by `moved` bytes; a
-    variant that fails (Triton out of resources, say) is its error's row, and the others still
-    run. Prints a line a variant."""
-    rows = {}
-    for name, fn in variants.items():
-        try:
-            f = jax.jit(fn)
-            got = jax.block_until_ready(f(*args))
-            want = got if want is None else want
-            row = difference(got, want)
-            del got
-            if jax.default_backend() == "gpu":
-                us = 1e6 * seconds_per_call(f, *args, reps=reps)
-                row.update(us=us, gbps=moved / us / 1e3)
-        except Exception as e:  # one variant out of resources is its row; the others still run
-            row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
-        rows[name] = row
-        print(f"{name:24s} {row}", flush=True)
-    return rows
 
 
 def check(key: jax.Array) -> float:

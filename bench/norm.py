@@ -28,11 +28,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.matvec import check_and_time  # noqa: E402
+from bench.timing import GPU, check_and_time  # noqa: E402
 from gpt.ops import norm as norm_ops  # noqa: E402
 from gpt.ops import norm_kernel as nk  # noqa: E402
 
-GPU = jax.default_backend() == "gpu"
 EPS = 1e-5
 # (rows a tile, tiles a program, columns a chunk, warps): ptxas registers for GPT-2's width
 # (H200, offline) 108, 96, 108, 196, 64: 4, 10, 2, 1 and 4 programs an SM by registers
@@ -42,7 +41,7 @@ TILES = [(2, 16, 256, 4), (1, 32, 256, 2), (4, 8, 256, 8), (8, 4, 256, 8), (2, 1
 def xla_backward(x, g, gx, scale, bias, stats):
     """The model's XLA path: xhat recomputed from x and the statistics, `gpt.ops.norm`'s backward
     of the float32 norm (g converted from the product's bf16), the stream's gradient added."""
-    rstd, shift, mean = (s[:, None] for s in stats)
+    rstd, shift, mean = stats
     xhat = ((x.astype(jnp.float32) - shift) - mean) * rstd
     like = (jnp.zeros((), x.dtype), jnp.zeros((), bias.dtype))
     dx, ds, db = norm_ops._norm_bwd(EPS, True, (xhat, rstd, scale, like), g.astype(jnp.float32))
@@ -54,7 +53,8 @@ def variants() -> dict:
     for tiles in TILES:
         t = nk.Tiles(*tiles, interpret=not GPU)
         out[f"kernel {'/'.join(map(str, tiles[:3]))} w{tiles[3]}"] = (
-            lambda x, g, gx, s, b, st, t=t: nk.norm_backward(x, g, s, st, centre=True, bias=True, gx_RD=gx, t=t))
+            lambda x, g, gx, s, b, st, t=t: nk.norm_backward(x, g, s, st, centre=True, bias=True,
+                                                             gx_RD=gx, t=t))
     return out
 
 
@@ -75,8 +75,7 @@ def inputs(rows: int, dim: int) -> tuple:
     x = (1.0 + jax.random.normal(k[0], (rows, dim))).astype(jnp.bfloat16)
     g, gx = (jax.random.normal(kk, (rows, dim)).astype(jnp.bfloat16) for kk in k[1:3])
     scale, bias = 1.0 + 0.1 * jax.random.normal(k[3], (dim,)), 0.1 * jax.random.normal(k[4], (dim,))
-    shift, mean, var = (a.reshape(-1) for a in norm_ops.row_moments(x.astype(jnp.float32)))
-    return x, g, gx, scale, bias, (jax.lax.rsqrt(var + EPS), shift, mean)
+    return x, g, gx, scale, bias, norm_ops.row_stats(x.astype(jnp.float32), EPS, True)[1]
 
 
 def main(argv: list[str]) -> int:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.matvec import GPU, seconds_per_call  # noqa: E402
+from bench.timing import GPU, seconds_per_call  # noqa: E402
 
 CHUNKS = (1024, 2048, 4096, 8192)
 THRESHOLDS = ((64, 1024), (128, 1024))  # (chunk, candidates at most) of `threshold`

@@ -27,11 +27,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.matvec import check_and_time  # noqa: E402
+from bench.timing import GPU, check_and_time  # noqa: E402
 from gpt.ops import cross_entropy as ce  # noqa: E402
 from gpt.ops import xent_kernel as xk  # noqa: E402
 
-GPU = jax.default_backend() == "gpu"
 # (block width, warps, the row held in registers between its passes rather than read twice)
 KERNELS = [(4096, 8, False), (4096, 16, False), (8192, 16, False), (8192, 32, False), (2048, 4, False),
            (4096, 32, True), (2048, 32, True)]

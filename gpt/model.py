@@ -264,9 +264,11 @@ def _norm(scale, bias, alpha) -> dict:
     return {"scale": scale[...], "bias": _value(bias), "alpha": _value(alpha)}
 
 
-def norm_kernel_fits(cfg: ModelConfig) -> bool:
-    """Whether gpt/ops/norm_kernel.py computes this model's norms: LayerNorm and RMSNorm, not DyT."""
-    return cfg.norm in ("layernorm", "rmsnorm")
+def uses_norm_kernel(rt: Runtime, cfg: ModelConfig, cached: bool) -> bool:
+    """Whether a norm runs with gpt/ops/norm_kernel.py's backward (`Runtime.norm_kernel`): LayerNorm
+    and RMSNorm, not DyT; in training and evaluation, not with a cache (decoding, a few rows a
+    step); `Block.norm_stream` has its own exceptions."""
+    return bool(rt.norm_kernel) and not cached and cfg.norm in ("layernorm", "rmsnorm")
 
 
 def kernel_norm(x_BTD: jax.Array, scale, bias, cfg: ModelConfig, rt: Runtime, stream: bool):
@@ -364,12 +366,17 @@ class Block(nnx.Module):
             return Normed(xc_BTD * scale[...], rstd_BT1)
         return normalize(x_BTD, _norm(scale, bias, alpha), cfg)
 
-    def norm_stream(self, x_BTD, which: str, cfg: ModelConfig, rt: Runtime, training: bool):
-        """(x, the block's norm `which` of x). With `Runtime.norm_kernel`, in training and
-        evaluation (`training`: no cache), the norm's backward is gpt/ops/norm_kernel.py's kernel,
-        which adds x's gradient through the residual stream in the same pass; a MoE block's second
-        norm keeps XLA's (its router takes the rows in float32, the kernel's are in the products' dtype)."""
-        if rt.norm_kernel and training and norm_kernel_fits(cfg) and not (self.moe and which == "ln2"):
+    def norm_stream(self, x_BTD: jax.Array, which: str, cfg: ModelConfig, rt: Runtime, cached: bool
+                    ) -> tuple[jax.Array, "jax.Array | Normed"]:
+        """(x, the block's norm `which` of x). Where `uses_norm_kernel`, the norm's backward is
+        gpt/ops/norm_kernel.py's kernel, which adds x's gradient through the residual stream in the
+        same pass. Its rows come in the products' dtype (bf16 on a GPU), which is all a single
+        product takes of them; where something else reads them too, XLA's float32 rows stay: a
+        MoE block's second norm (its router takes them in float32), and a block with LoRA adapters
+        (their dropout would scale bf16 rows, and the adapter's and the product's gradients would
+        be summed in bf16: further from float32's by about a third, as a review measured). GQA's
+        two products (w_q, w_kv) do sum theirs in bf16, measured no further from float32's."""
+        if uses_norm_kernel(rt, cfg, cached) and self.lora is None and not (self.moe and which == "ln2"):
             return kernel_norm(x_BTD, getattr(self, f"{which}_scale"), getattr(self, f"{which}_bias"),
                                cfg, rt, stream=True)
         return x_BTD, self.norm_in(x_BTD, which, cfg, rt)
@@ -465,7 +472,7 @@ class Block(nnx.Module):
         lora_key = None if key is None else jax.random.fold_in(key, 3)  # the adapters' dropout
         mm = _matmul(rt, rt.matmul_out)
 
-        x_BTD, h_BTD = self.norm_stream(x_BTD, "ln1", cfg, rt, cache_write is None)
+        x_BTD, h_BTD = self.norm_stream(x_BTD, "ln1", cfg, rt, cache_write is not None)
         q_BTHK, k_BTGK, v_BTGK = (a.astype(rt.dtype)
                                   for a in self.qkv(h_BTD, positions_BT, cfg, mm, lora_key,
                                                     split=rt.cpu_layouts))
@@ -479,7 +486,7 @@ class Block(nnx.Module):
         attn_BTD = _add_bias(self.linear("w_o", y_BTHK, SPECS["w_o"], mm, lora_key), self.b_o)
         x_BTD = (x_BTD + dropout(attn_BTD, rt.dropout, keys[1])).astype(x_BTD.dtype)
 
-        x_BTD, h_BTD = self.norm_stream(x_BTD, "ln2", cfg, rt, cache_write is None)
+        x_BTD, h_BTD = self.norm_stream(x_BTD, "ln2", cfg, rt, cache_write is not None)
         if self.moe:
             mlp_BTD, stats = self.experts(h_BTD, cfg, rt, capacity_factor)
         else:
@@ -569,7 +576,7 @@ class GPT(nnx.Module):
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         x_BTD = dropout(x_BTD, self.rt.dropout, keys[0]).astype(self.rt.residual)
         x_BTD, cache, stats = self._layers(x_BTD, cache, positions_BT, mask_BTS, keys[1], capacity_factor)
-        if self.rt.norm_kernel and cache is None and norm_kernel_fits(cfg):
+        if uses_norm_kernel(self.rt, cfg, cache is not None):
             x_BTD = kernel_norm(x_BTD, self.lnf_scale, self.lnf_bias, cfg, self.rt, stream=False)
         else:
             x_BTD = normalize(x_BTD, _norm(self.lnf_scale, self.lnf_bias, self.lnf_alpha), cfg)

@@ -87,6 +87,34 @@ def tiny_gpt(cfg, seed=0, **kw):
     return GPT(cfg, rngs=nnx.Rngs(seed), runtime=tiny_runtime(cfg, **kw))
 
 
+def bf16_gradient_errors(cfg, x, kernels: dict, **compute) -> tuple[float, float]:
+    """How far the training objective's gradients in bf16 (the GPU's settings: bf16 products and
+    residual stream) lie from float32's, with the Pallas training kernels `kernels` (Runtime
+    fields, e.g. norm_kernel="interpret") and with XLA's path: each the largest relative norm of
+    a parameter's difference, all at the highest matmul precision."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from gpt import train
+
+    def grads(dtype: str, **kw):
+        bf16 = dict(residual_dtype="compute", matmul_out=jnp.dtype("bfloat16")) if dtype == "bfloat16" else {}
+        gd, params = nnx.split(tiny_gpt(cfg, dtype=dtype, **bf16, **compute, **kw))
+        fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining())[0]  # noqa: E731
+        with jax.default_matmul_precision("highest"):
+            return jax.jit(jax.grad(fn))(params)
+
+    def error(got) -> float:
+        rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))  # noqa: E731
+                                 / max(np.linalg.norm(np.asarray(b, np.float64)), 1e-30))
+        return max(jax.tree.leaves(jax.tree.map(rel, got, want)))
+
+    want = grads("float32")
+    return error(grads("bfloat16", **kernels)), error(grads("bfloat16"))
+
+
 def run_cli(capsys, main, *argv: str) -> tuple[int, str, list[str]]:
     """A command's `main` run in this process as its script runs it (gpt.errors.run_main): exit
     status, stdout, non-blank stderr lines. Same checks as a subprocess without its start-up."""

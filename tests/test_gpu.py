@@ -154,21 +154,23 @@ def test_decode_kernels_on_gpu(dtype):
 @pytest.mark.parametrize("kernels", [dict(norm_kernel="triton"),
                                      dict(xent_kernel="triton", gelu_kernel="triton", norm_kernel="triton")],
                          ids=["norm", "all"])
-def test_training_kernels_give_xla_objective_on_gpu(kernels):
+def test_training_kernels_on_gpu(kernels):
     """The Pallas training kernels (`Runtime.norm_kernel`, and with the loss's and GELU's) as
-    Triton kernels: the training objective's value and gradients equal XLA's path in float32
-    (highest matmul precision), and the bf16 residual stream's within bf16's rounding."""
+    Triton kernels: in float32 (highest matmul precision) the training objective's value and
+    gradients are XLA's path's; in the GPU's bf16 settings its gradients lie no further from
+    float32's than XLA's path's do (the kernels round in other places)."""
     from gpt import train
+    from helpers import bf16_gradient_errors
     cfg = tiny_model_config(block_size=64, n_embd=128, n_head=4)
     x = jnp.asarray(np.random.default_rng(0).integers(0, 65, (4, 64)), jnp.int32)
-    for dtype, residual, tol in (("float32", "float32", 1e-5), ("bfloat16", "compute", 2e-2)):
-        out = {}
-        for name, kw in (("xla", {}), ("kernels", kernels)):
-            gd, params = nnx.split(tiny_gpt(cfg, dtype=dtype, residual_dtype=residual, **kw))
-            fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining())[0]  # noqa: E731
-            with jax.default_matmul_precision("highest"):
-                out[name] = jax.jit(jax.value_and_grad(fn))(params)
-        (la, ga), (lb, gb) = out["xla"], out["kernels"]
-        assert abs(float(la) - float(lb)) <= tol * abs(float(la))
-        worst = max(jax.tree.leaves(jax.tree.map(_rel, gb, ga)))
-        assert worst < (1e-4 if dtype == "float32" else 5e-2), (dtype, worst)
+    out = {}
+    for name, kw in (("xla", {}), ("kernels", kernels)):
+        gd, params = nnx.split(tiny_gpt(cfg, **kw))
+        fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining())[0]  # noqa: E731
+        with jax.default_matmul_precision("highest"):
+            out[name] = jax.jit(jax.value_and_grad(fn))(params)
+    (la, ga), (lb, gb) = out["xla"], out["kernels"]
+    assert abs(float(la) - float(lb)) <= 1e-5 * abs(float(la))
+    assert max(jax.tree.leaves(jax.tree.map(_rel, gb, ga))) < 1e-4
+    kernel_error, xla_error = bf16_gradient_errors(cfg, x, kernels)
+    assert kernel_error <= 1.1 * xla_error, (kernel_error, xla_error)

@@ -14,6 +14,7 @@ static setting, not traced). The references are the plain formulas.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,26 +74,32 @@ def _shift(x32: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.minimum(a, b), jnp.minimum(jnp.maximum(a, b), c))
 
 
-def _centre(x32: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The rows centred, and their variances, from one pass: two sums that read x side by side (on
-    a GPU one kernel, where a mean and then a variance of the centred rows were two; the decoding
-    step's LayerNorm had three kernels). The rows are shifted first (`_shift`): E[d^2] - E[d]^2
-    cancels about (shift - mean)^2 / var of its digits, a few when the shift lies within the row's
-    spread (the textbook one-pass formula, unshifted, would lose all of them to a mean far from
-    zero), at worst D when the shift is the one outlier that dominates the row (two of the first
-    three entries outliers). The centred row d - E[d] is never rounded through the mean itself
-    (more exact than the two-pass formula for rows far from zero); a constant row gives exactly 0."""
-    shift, d_mean, var = row_moments(x32)
-    return (x32 - shift) - d_mean, var
+class RowStats(NamedTuple):
+    """A norm's per-row statistics [..., 1] float32: 1/std (RMSNorm: 1/rms), and LayerNorm's shift
+    and mean of x - shift (None for RMSNorm). The rows centred are (x - shift) - mean, in that
+    order (gpt/ops/norm_kernel.py's backward recomputes them from x and these)."""
+    rstd: jax.Array
+    shift: jax.Array | None
+    mean: jax.Array | None
 
 
-def row_moments(x32: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`_centre`'s parts [..., 1]: the shift, the mean of x - shift and the variance. The rows
-    centred are (x - shift) - mean, in that order (gpt/ops/norm_kernel.py recomputes them so)."""
+def row_stats(x32: jax.Array, eps: float, centre: bool) -> tuple[jax.Array, RowStats]:
+    """The rows centred (RMSNorm: as they are) and their statistics, from one pass: two sums that
+    read x side by side (on a GPU one kernel, where a mean and then a variance of the centred rows
+    were two; the decoding step's LayerNorm had three kernels). The rows are shifted first
+    (`_shift`): E[d^2] - E[d]^2 cancels about (shift - mean)^2 / var of its digits, a few when the
+    shift lies within the row's spread (the textbook one-pass formula, unshifted, would lose all of
+    them to a mean far from zero), at worst D when the shift is the one outlier that dominates the
+    row (two of the first three entries outliers). The centred row d - E[d] is never rounded
+    through the mean itself (more exact than the two-pass formula for rows far from zero); a
+    constant row gives exactly 0."""
+    if not centre:
+        return x32, RowStats(jax.lax.rsqrt(_row_mean(jnp.square(x32)) + eps), None, None)
     shift = _shift(x32)
     d = x32 - shift
     d_mean = _row_mean(d)
-    return shift, d_mean, jnp.maximum(_row_mean(jnp.square(d)) - jnp.square(d_mean), 0.0)
+    var = jnp.maximum(_row_mean(jnp.square(d)) - jnp.square(d_mean), 0.0)
+    return d - d_mean, RowStats(jax.lax.rsqrt(var + eps), shift, d_mean)
 
 
 def norm_factors(x: jax.Array, eps: float, centre: bool) -> tuple[jax.Array, jax.Array]:
@@ -103,17 +110,22 @@ def norm_factors(x: jax.Array, eps: float, centre: bool) -> tuple[jax.Array, jax
     (gpt.model.Block.norm_in): on a GPU the 1/std, an rsqrt, kept XLA from fusing the normalisation
     into the one-row product that reads it (it would be recomputed for every weight element), so it
     was a kernel of its own; without it the product takes it in (kernel counts: BENCHMARKS.md)."""
-    x32 = x.astype(jnp.float32)
-    xc, var = _centre(x32) if centre else (x32, _row_mean(jnp.square(x32)))
-    return xc, jax.lax.rsqrt(var + eps)
+    xc, stats = row_stats(x.astype(jnp.float32), eps, centre)
+    return xc, stats.rstd
+
+
+def normalize_rows(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float, centre: bool
+                   ) -> tuple[jax.Array, jax.Array, RowStats]:
+    """The norm in float32 (xhat * scale (+ bias)), the normalised rows xhat and their statistics."""
+    xc, stats = row_stats(x.astype(jnp.float32), eps, centre)
+    xhat = xc * stats.rstd
+    return (xhat * scale if bias is None else xhat * scale + bias), xhat, stats
 
 
 def _norm_fwd(x, scale, bias, eps, centre):
-    xc, rstd = norm_factors(x, eps, centre)
-    xhat = xc * rstd
-    y = xhat * scale if bias is None else xhat * scale + bias
+    y, xhat, stats = normalize_rows(x, scale, bias, eps, centre)
     like = (jnp.zeros((), x.dtype), (None if bias is None else jnp.zeros((), bias.dtype)))
-    return y, (xhat, rstd, scale, like)
+    return y, (xhat, stats.rstd, scale, like)
 
 
 def _norm_bwd(eps, centre, res, g):

@@ -27,16 +27,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gpt.ops.norm import row_moments
-from gpt.ops.pallas_util import pow2_divisor, triton_params
+from gpt.ops.norm import RowStats, normalize_rows
+from gpt.ops.pallas_util import pow2_at_most, pow2_divisor, triton_params
 
 F32 = jnp.float32
+# Entries of each [BR, D] operand (x, g, the stream's gradient) a thread holds, at most, where the
+# row allows: GPT-2's 2 x 768 at 4 warps, 108 registers (ptxas, H200); wider rows take more warps
+PER_THREAD = 12
 
 
 class Tiles(NamedTuple):
-    """The kernel's static choices, shrunk by `fit` to divide the array: rows a tile, tiles a
-    program, columns a chunk, Triton's warps; Pallas's interpreter off a GPU."""
-    BR: int = 2  # 2 x 768 entries of x, g and the stream's gradient: 12 a thread each at 4 warps
+    """The kernel's static choices, fitted by `fit` to the array: rows a tile, tiles a program,
+    columns a chunk, Triton's warps; Pallas's interpreter off a GPU."""
+    BR: int = 2  # GPT-2: 2 x 768 entries of x, g and the stream's gradient, 12 a thread each
     SUB: int = 16  # partial sums [R / 32, 2, D] float32 (GPT-2, batch 64: 12.6 MB)
     BD: int = 256
     # ptxas (H200, GPT-2's width): 108 registers, so 4 programs an SM (8 rows at 8 warps: 196, one)
@@ -45,12 +48,22 @@ class Tiles(NamedTuple):
 
 
 def fit(t: Tiles, R: int, D: int) -> Tiles:
-    """`t` shrunk to powers of two that divide [R, D]: no tile runs past the array."""
-    BR = pow2_divisor(R, t.BR)
-    return t._replace(BR=BR, SUB=pow2_divisor(R // BR, t.SUB), BD=pow2_divisor(D, t.BD))
+    """`t` fitted to [R, D] so that no tile runs past the array and the registers stay bounded as
+    D grows (ptxas: 4,096 wide at `Tiles()`'s 2 rows and 4 warps spilled): warps doubled (to 32 at
+    most) until a row is at most PER_THREAD entries a thread, then the largest power-of-two BR up
+    to t.BR that divides R and keeps a tile within it; chunks of columns a power of two that
+    divides D, at least two entries a thread where D allows; SUB the largest divisor of R / BR up
+    to t.SUB (a loop's trip count, any number: an odd R still gets programs of several rows)."""
+    warps = t.warps
+    while D > PER_THREAD * 32 * warps and warps < 32:
+        warps *= 2
+    BR = pow2_divisor(R, pow2_at_most(max(1, PER_THREAD * 32 * warps // D), t.BR))
+    SUB = max(d for d in range(1, min(t.SUB, R // BR) + 1) if (R // BR) % d == 0)
+    return t._replace(BR=BR, SUB=SUB, BD=pow2_divisor(D, max(t.BD, 64 * warps)), warps=warps)
 
 
-def _load_stats(refs, rows, centre: bool) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+def _load_stats(refs: tuple, rows: pl.Slice, centre: bool
+                ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """The tile's 1/std, shift and mean of x - shift as [BR, 1] columns (RMSNorm: 1/rms alone)."""
     rstd_ref, shift_ref, mean_ref = refs
     col = (lambda ref: ref[rows][:, None])
@@ -63,7 +76,9 @@ def _row_sum(chunks: list[jax.Array]) -> jax.Array:
     return jnp.sum(functools.reduce(jnp.add, chunks), axis=1, keepdims=True)
 
 
-def _tile_backward(x, g, scale, rstd, shift, mean, D: int, centre: bool):
+def _tile_backward(x: list[jax.Array], g: list[jax.Array], scale: list[jax.Array], rstd: jax.Array,
+                   shift: jax.Array | None, mean: jax.Array | None, D: int, centre: bool
+                   ) -> tuple[list[jax.Array], list[jax.Array]]:
     """One tile's normalised rows and input gradient, chunk by chunk (lists over the chunks of
     columns, float32): dx = rstd * (gs - mean(gs) - xhat * mean(gs * xhat)), gs = g * scale,
     as `gpt.ops.norm._norm_bwd` computes it (RMSNorm: gs not centred)."""
@@ -76,7 +91,7 @@ def _tile_backward(x, g, scale, rstd, shift, mean, D: int, centre: bool):
 
 
 def _backward_kernel(x_ref, g_ref, scale_ref, rstd_ref, shift_ref, mean_ref, *refs, t: Tiles,
-                     centre: bool, stream: bool, sums: int):
+                     centre: bool, stream: bool, sums: int) -> None:
     """Program p: its SUB tiles' input gradients (plus the stream's), and the column sums of
     g * xhat (and of g with a bias) over its rows, as row p of the partial sums: the tiles are
     added entry by entry in the loop, and summed over their BR rows once at the end."""
@@ -104,16 +119,16 @@ def _backward_kernel(x_ref, g_ref, scale_ref, rstd_ref, shift_ref, mean_ref, *re
         part_ref[p, k // len(cols), c] = jnp.sum(acc[k], axis=0)
 
 
-def norm_backward(x_RD: jax.Array, g_RD: jax.Array, scale_D: jax.Array, stats: tuple, *, centre: bool,
+def norm_backward(x_RD: jax.Array, g_RD: jax.Array, scale_D: jax.Array, stats: RowStats, *, centre: bool,
                   bias: bool, gx_RD: jax.Array | None = None, t: Tiles = Tiles()
                   ) -> tuple[jax.Array, jax.Array]:
     """The input's gradient [R, D] in x's dtype (plus `gx_RD`, the stream's gradient, when given)
     and the parameters' [2 or 1, D] float32: sum(g * xhat) for the scale, sum(g) for the bias.
-    `stats`: the forward's (rstd, shift, mean) [R] float32 (shift and mean None for RMSNorm)."""
+    `stats`: the forward's (`gpt.ops.norm.row_stats`), each [R] or [R, 1] float32."""
     R, D = x_RD.shape
     t = fit(t, R, D)
     programs, sums = R // (t.BR * t.SUB), 2 if bias else 1
-    rstd, shift, mean = (jnp.zeros((R,), F32) if s is None else s for s in stats)
+    rstd, shift, mean = (jnp.zeros((R,), F32) if s is None else s.reshape(R) for s in stats)
     kernel = functools.partial(_backward_kernel, t=t, centre=centre, stream=gx_RD is not None, sums=sums)
     out = (jax.ShapeDtypeStruct((R, D), x_RD.dtype), jax.ShapeDtypeStruct((programs, sums, D), F32))
     extra = () if gx_RD is None else (gx_RD,)
@@ -124,23 +139,19 @@ def norm_backward(x_RD: jax.Array, g_RD: jax.Array, scale_D: jax.Array, stats: t
     return dx, part.sum(0)
 
 
-def _forward(x, scale, bias, eps: float, centre: bool, out_dtype):
-    """XLA's normalisation in `out_dtype`, and what the kernel needs of it: the row statistics
-    [R] float32 (shift and mean None for RMSNorm)."""
-    x32 = x.astype(F32)
-    if centre:
-        shift, mean, var = row_moments(x32)
-        xc = (x32 - shift) - mean
-    else:
-        shift = mean = None
-        xc, var = x32, jnp.square(x32).mean(-1, keepdims=True)
-    rstd = jax.lax.rsqrt(var + eps)
-    y = xc * rstd * scale if bias is None else xc * rstd * scale + bias
-    flat = lambda s: None if s is None else s.reshape(-1)  # noqa: E731
-    return y.astype(out_dtype), (flat(rstd), flat(shift), flat(mean))
+Residuals = tuple  # (x, its RowStats, scale, bias or None): what the backward reads
 
 
-def _backward(eps, centre, out_dtype, t, res, g, gx):
+def _norm_fwd(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float, centre: bool,
+              out_dtype, t: Tiles) -> tuple[jax.Array, Residuals]:
+    """XLA's normalisation (`gpt.ops.norm.normalize_rows`) in `out_dtype`, keeping x and its row
+    statistics: the kernel recomputes the normalised rows from them."""
+    y, _, stats = normalize_rows(x, scale, bias, eps, centre)
+    return y.astype(out_dtype), (x, stats, scale, bias)
+
+
+def _backward(centre: bool, t: Tiles, res: Residuals, g: jax.Array, gx: jax.Array | None
+              ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """The cotangents of (x, scale, bias) from the norm's `g` and the stream's `gx` (or None)."""
     x, stats, scale, bias = res
     D = x.shape[-1]
@@ -151,28 +162,25 @@ def _backward(eps, centre, out_dtype, t, res, g, gx):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def norm(x, scale, bias, eps: float, centre: bool, out_dtype, t: Tiles = Tiles()):
+def norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float, centre: bool, out_dtype,
+         t: Tiles = Tiles()) -> jax.Array:
     """LayerNorm (`centre`) or RMSNorm of x over its last axis, in `out_dtype`; bias [D] or None."""
-    return _forward(x, scale, bias, eps, centre, out_dtype)[0]
-
-
-def _norm_fwd(x, scale, bias, eps, centre, out_dtype, t):
-    y, stats = _forward(x, scale, bias, eps, centre, out_dtype)
-    return y, (x, stats, scale, bias)
+    return _norm_fwd(x, scale, bias, eps, centre, out_dtype, t)[0]
 
 
 def _norm_bwd(eps, centre, out_dtype, t, res, g):
-    return _backward(eps, centre, out_dtype, t, res, g, None)
+    return _backward(centre, t, res, g, None)
 
 
 norm.defvjp(_norm_fwd, _norm_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def norm_stream(x, scale, bias, eps: float, centre: bool, out_dtype, t: Tiles = Tiles()):
+def norm_stream(x: jax.Array, scale: jax.Array, bias: jax.Array | None, eps: float, centre: bool, out_dtype,
+                t: Tiles = Tiles()) -> tuple[jax.Array, jax.Array]:
     """(x, `norm`(x)): the residual stream as it is and its norm, whose backward adds x's
     gradient through the stream to the norm's in the kernel."""
-    return x, _forward(x, scale, bias, eps, centre, out_dtype)[0]
+    return x, _norm_fwd(x, scale, bias, eps, centre, out_dtype, t)[0]
 
 
 def _stream_fwd(x, scale, bias, eps, centre, out_dtype, t):
@@ -182,7 +190,7 @@ def _stream_fwd(x, scale, bias, eps, centre, out_dtype, t):
 
 def _stream_bwd(eps, centre, out_dtype, t, res, cotangents):
     gx, g = cotangents
-    return _backward(eps, centre, out_dtype, t, res, g, gx)
+    return _backward(centre, t, res, g, gx)
 
 
 norm_stream.defvjp(_stream_fwd, _stream_bwd)
