@@ -130,12 +130,15 @@ def _folder_files(folder: Path, include: Include) -> list[Path]:
 def file_format(path: Path) -> str:
     """How a file is read, by suffix: "parquet" | "jsonl" | "jsonl.gz" | "txt.gz" | "txt".
 
-    Any other ``.gz`` is gzipped text; any other suffix is plain text, so an explicit
-    ``--include '*.md'`` or a file named on the command line reads as it always did."""
+    ``.json`` (and ``.json.gz``) is JSON lines too, as Hugging Face datasets reads it (a file that
+    is one JSON array fails at its first line, which is not a record). Any other ``.gz`` is
+    gzipped text; any other suffix is plain text, so an explicit ``--include '*.md'`` or a file
+    named on the command line reads as it always did."""
     name = path.name.lower()
-    for suffix in ("parquet", "jsonl.gz", "jsonl"):
+    for suffix, fmt in (("parquet", "parquet"), ("jsonl.gz", "jsonl.gz"), ("jsonl", "jsonl"),
+                        ("json.gz", "jsonl.gz"), ("json", "jsonl")):
         if name.endswith("." + suffix):
-            return suffix
+            return fmt
     return "txt.gz" if name.endswith(".gz") else "txt"
 
 
@@ -245,7 +248,8 @@ class SplitRule:
     """Which split a document goes to. Documents go to val whole: those that end past byte `cut`
     of the concatenated files on disk (--val_fraction), or with --val_documents=N the last N
     (`first_val_doc` = their count minus N). A corpus of one text document cannot be split by
-    document, so there the cut falls inside it (`inside_document`: nanoGPT's split)."""
+    document, so there the cut falls inside it (`inside_document`: nanoGPT's split), at a byte of
+    its text (for a .txt.gz, of the decompressed text)."""
     cut: int
     first_val_doc: int | None = None
     inside_document: bool = False
@@ -264,6 +268,8 @@ def split_rule(sources: list[Source], reading: Reading, val_fraction: float,
     cut = val_cut(sum(s.size for s in sources), val_fraction)
     single = len(sources) == 1 and file_format(sources[0].path) in ("txt", "txt.gz")
     if val_documents is None:
+        if single and file_format(sources[0].path) == "txt.gz":
+            cut = val_cut(gzip_text_bytes(sources[0].path), val_fraction)
         return SplitRule(cut, inside_document=single)
     n = count_documents(sources, reading)
     if val_documents >= n:
@@ -329,11 +335,10 @@ def iter_corpus(sources: list[Source], reading: Reading | str, rule: SplitRule |
 def _source_pieces(src: Source, start: int, rule: SplitRule, reading: Reading, hasher, stats: dict,
                    doc: list[int]) -> Pieces:
     """One file's pieces, by format; `doc[0]` counts documents (advanced past this file's).
-    Only a one-document corpus is cut inside its document: exactly at the byte for plain text; for
-    .gz where the compressed bytes read so far pass the cut (ahead of the text returned by at most
-    one 8 KiB read plus the reader's buffer, ~128 KiB of text). Records go to val by their
-    on-disk position: a JSONL line's end, the compressed bytes read for .gz, for Parquet the
-    share of rows read times the file size, so the split is an estimate."""
+    Only a one-document corpus is cut inside its document, exactly at the cut's byte of its text
+    (decompressed, for .gz). Records go to val by their on-disk position: a JSONL line's end (for
+    .gz, its end in the decompressed text scaled to the file's size), for Parquet the share of rows
+    read times the file size, so the split is an estimate."""
     fmt = file_format(src.path)
     if fmt in ("txt", "txt.gz"):
         whole = None if rule.inside_document else rule.split(doc[0], start + src.size)
@@ -353,26 +358,20 @@ def _source_pieces(src: Source, start: int, rule: SplitRule, reading: Reading, h
     yield from _record_pieces(src.path, records, start, rule, reading, stats, doc)
 
 
-GZIP_READ_BYTES = 8192  # compressed bytes per raw read: the gzip reader's position stays this exact
-
-
 class _Tracked(io.RawIOBase):
-    """A raw binary reader that counts the bytes read from the file (its on-disk position, for
-    the split) and feeds them to the source hasher, so a compressed file is hashed and read in
-    one pass. Reads are capped at GZIP_READ_BYTES (short reads are legal for raw files), so the
-    gzip reader cannot run far ahead of the text it has returned."""
+    """A raw binary reader that feeds the bytes read from the file to the source hasher, so a
+    compressed file is hashed and read in one pass."""
 
     def __init__(self, f, hasher):
-        self.f, self.hasher, self.pos = f, hasher, 0
+        self.f, self.hasher = f, hasher
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, b) -> int:
-        n = self.f.readinto(memoryview(b)[:GZIP_READ_BYTES]) or 0
+        n = self.f.readinto(b) or 0
         if n and self.hasher is not None:
             self.hasher.update(memoryview(b)[:n])
-        self.pos += n
         return n
 
 
@@ -388,16 +387,27 @@ def _gzip_errors(path: Path):
 
 def _gzip_text_pieces(path: Path, start: int, cut: int, errors: str, hasher, whole: str | None) -> Pieces:
     """A .txt.gz file: one document, decompressed as it streams, wholly in split `whole`, or if
-    that is None a piece is train while the compressed bytes read so far end at or before the
-    cut. Pieces are 1/16 of the usual size (64 KiB of text), which bounds how far past the cut
-    the split can fall."""
+    that is None (the corpus is this one file: `start` is 0) cut at byte `cut` of its text."""
     with open(path, "rb") as raw, _gzip_errors(path):
         tracked = _Tracked(raw, hasher)
         with gzip.GzipFile(fileobj=tracked, mode="rb") as gz:
             first = True
-            for s, e, text in _iter_stream_pieces(gz, path, errors, None, None, max(CHUNK_BYTES // 16, 4)):
-                yield whole or ("train" if start + tracked.pos <= cut else "val"), e - s, text, first
+            for s, e, text in _iter_stream_pieces(gz, path, errors, None if whole else cut - start, None,
+                                                  max(CHUNK_BYTES // 16, 4)):
+                yield whole or ("train" if start + e <= cut else "val"), e - s, text, first
                 first = False
+
+
+def gzip_text_bytes(path: Path) -> int:
+    """The decompressed size of a .gz file, from a pass over it: where its text ends, for a split
+    by the text's bytes (a gzip reader reads ahead, up to a whole small file, so the compressed
+    bytes read so far say little of where the text returned so far ends; the trailer's size is
+    its last member's, modulo 4 GiB)."""
+    n = 0
+    with open(path, "rb") as raw, _gzip_errors(path), gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+        for block in iter(lambda: gz.read(CHUNK_BYTES), b""):
+            n += len(block)
+    return n
 
 
 # A record: (on-disk position after it, "line 3" or "row 3", its text, or None and what is wrong).
@@ -481,7 +491,9 @@ def _kind(value) -> str:
 
 def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher) -> Records:
     """A JSON-lines file (optionally gzipped), streamed line by line; blank lines are ignored.
-    The position is the line's end, or for .gz the compressed bytes read so far."""
+    The position is the line's end, for .gz in the decompressed text scaled to the file's size
+    (`gzip_text_bytes`: a first pass)."""
+    scale = (path.stat().st_size, max(gzip_text_bytes(path), 1)) if gzipped else (1, 1)
     with open(path, "rb") as raw, _gzip_errors(path):
         tracked = _Tracked(raw, hasher)
         f = gzip.GzipFile(fileobj=tracked, mode="rb") if gzipped else io.BufferedReader(tracked, CHUNK_BYTES)
@@ -491,7 +503,7 @@ def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher) -> Recor
                 offset += len(line)
                 if not line.strip():
                     continue
-                pos = tracked.pos if gzipped else offset
+                pos = offset * scale[0] // scale[1]
                 try:
                     obj = json.loads(line.decode("utf-8", reading.errors))
                 except UnicodeDecodeError:

@@ -28,10 +28,12 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from collections import deque
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -228,10 +230,20 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
     rule = split_rule(sources, reading, val_fraction, val_documents)
     key = cache_key(files, settings if old is not None else
                     dataclasses.replace(settings, tokenizer=identity(tokenizer)))
-    stage, created, progress = _stage(out_dir, key)
+    created = _make_out_dir(out_dir)
+    with _one_at_a_time(out_dir):
+        return _prepare_locked(out_dir, created, key, sources, reading, rule, settings, old, workers, backend)
+
+
+def _prepare_locked(out_dir: Path, created: bool, key: str, sources: list[Source], reading: Reading, rule,
+                    settings: Settings, old: dict | None, workers: int, backend: str) -> dict:
+    """`prepare`'s work with out_dir's lock held: stage (or resume), tokenize, check, publish."""
     keep = False  # keep the staging dir for a resume: not after bad input, which must be fixed first
+    stage = out_dir / f".prepare-{key[:16]}"
     try:
+        progress = _stage(out_dir, stage, key)
         meta = _prepare_in(stage, sources, reading, rule, settings, old, progress, workers, backend, out_dir)
+        _check_splits(meta, settings)
         store.publish(stage, out_dir, meta, old, drop=[PROGRESS])
         return load_meta(out_dir)
     except OSError as e:
@@ -278,6 +290,24 @@ def _prepare_in(stage: Path, sources: list[Source], reading: Reading, rule, sett
     return new if old is None else _appended_meta(old, new)
 
 
+def _check_splits(meta: dict, s: Settings) -> None:
+    """Refuse, before anything is published, a store that training could not use: no train tokens
+    (whole documents go to val, and the last ones can hold all the text), or no val tokens though
+    a val split was asked for. Warn when val's share of the tokens is far from the one asked
+    (documents much larger than the val share)."""
+    tokens = {split: meta["splits"][split]["tokens"] for split in SPLITS}
+    fix = "pass --val_documents=N to choose val by document, or more, smaller documents"
+    if tokens["train"] == 0:
+        raise UserError(f"the train split would be empty ({tokens['val']:,} val tokens): whole documents go "
+                        f"to val, and those past the cut hold all the text; {fix}")
+    if tokens["val"] == 0 and (s.val_fraction > 0 or s.val_documents):
+        raise UserError(f"the val split would be empty: no document ends past the val cut; {fix}")
+    share, asked = tokens["val"] / (tokens["train"] + tokens["val"]), s.val_fraction
+    if s.val_documents is None and asked > 0 and not asked / 2 <= share <= 2 * asked:
+        print(f"warning: val holds {share:.0%} of the tokens, not the {asked:.0%} asked (whole documents go "
+              f"to val); {fix}", file=sys.stderr)
+
+
 def _check_workers(workers: int | None) -> int:
     """The number of tokenizer processes: all cores by default, at most that many."""
     cores = os.cpu_count() or 1
@@ -315,16 +345,43 @@ def _check_settings(s: Settings, backend: str, appending: bool) -> None:
         raise UserError(f"text_field={s.text_field!r} must name a JSON key or Parquet column, e.g. text")
 
 
-def _stage(out_dir: Path, key: str) -> tuple[Path, bool, dict]:
-    """Create out_dir (if needed) and the hidden staging dir of this preparation in it; returns
-    it, whether out_dir was created, and the progress of an interrupted run with the same key to
-    resume ({} if none). Staging dirs of other settings are stale and removed."""
-    created = not out_dir.exists()
+def _make_out_dir(out_dir: Path) -> bool:
+    """Create out_dir if needed; returns whether it was created (and may go again on failure)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out_dir {str(out_dir)!r} exists and is not a folder; choose another --out_dir")
-    stage = out_dir / f".prepare-{key[:16]}"
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write to out_dir {str(out_dir)!r} ({e.strerror}); choose a writable "
+                        f"--out_dir") from None
+    return created
+
+
+@contextmanager
+def _one_at_a_time(out_dir: Path):
+    """Hold out_dir's lock (an exclusive flock on the folder itself: no lock file is left behind)
+    while preparing into it: a second preparation of the same out_dir (two train.py --input runs of
+    one corpus share its cache) waits for the first, where it would delete the first's staging
+    dir. No lock where the platform has no flock (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _stage(out_dir: Path, stage: Path, key: str) -> dict:
+    """Create this preparation's hidden staging dir in out_dir; returns the progress of an
+    interrupted run with the same key to resume ({"key": key} if none). Staging dirs of other
+    settings are stale and removed (out_dir's lock is held: no other preparation is running)."""
+    try:
         for d in out_dir.glob(".prepare-*"):
             if d != stage:
                 shutil.rmtree(d, ignore_errors=True)
@@ -335,7 +392,7 @@ def _stage(out_dir: Path, key: str) -> tuple[Path, bool, dict]:
     except OSError as e:
         raise UserError(f"cannot write to out_dir {str(out_dir)!r} ({e.strerror}); choose a writable "
                         f"--out_dir") from None
-    return stage, created, progress or {"key": key}
+    return progress or {"key": key}
 
 
 def _read_progress(stage: Path, key: str) -> dict | None:
@@ -522,9 +579,23 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
                 or not all(_is_count(c) for c in counts) or meta["vocab_size"] < 1:
             raise ValueError("a field has the wrong type")
         store.check_index(d, meta, how)
+        _check_bytes_per_token(meta.get("bytes_per_token", {}))
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UserError(f"{str(path)!r} is incomplete or malformed; re-prepare it ({how})") from None
+    if meta["tokenizer"].get("vocab_size", meta["vocab_size"]) != meta["vocab_size"]:  # a model sized by it
+        raise UserError(f"{str(path)!r} gives vocab_size {meta['vocab_size']}, its tokenizer "
+                        f"{meta['tokenizer'].get('vocab_size')!r}: it was edited; re-prepare it ({how})")
     return meta
+
+
+def _check_bytes_per_token(bpt) -> None:
+    """meta.json's bytes_per_token: a positive number or null for each split (what evaluation
+    divides by for bits per byte); anything else is ValueError."""
+    if not isinstance(bpt, dict) or set(bpt) - set(SPLITS):
+        raise ValueError("bytes_per_token is not {split: number}")
+    for v in bpt.values():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise ValueError("bytes_per_token holds a value that is not a positive number")
 
 
 def _is_count(value) -> bool:
@@ -603,8 +674,8 @@ def check_int(name: str, value, lo: int) -> int:
 def main(argv: Sequence[str]) -> int:
     p = ArgParser(prog="python -m gpt.data", description="Tokenize text, JSONL and Parquet files into a store "
                   "of token shards + meta.json for training.")
-    p.add_paths("--input", required=True, help="files (.txt, .txt.gz, .jsonl, .jsonl.gz, .parquet), "
-                "folders (searched recursively) or glob patterns")
+    p.add_paths("--input", required=True, help="files (.txt, .txt.gz, .jsonl, .jsonl.gz, .parquet; .json "
+                "and .json.gz are JSON lines too), folders (searched recursively) or glob patterns")
     p.add_argument("--tokenizer", default=None, help="gpt2 | char | bpe:N (train a byte-level BPE with N tokens) | "
                    "hf:PATH (a Hugging Face tokenizer.json, or the directory holding it); required unless --append")
     p.add_argument("--out_dir", required=True, help="data dir to write")

@@ -127,7 +127,8 @@ def publish(stage: Path, out_dir: Path, meta: dict, old: dict | None, drop: list
     then the previous store (either version) is deleted; if the commit fails, the stage is put
     back (a rerun resumes). Appending (`old` is the current meta of a version 2 store): the new
     shards move into its store dir under names it does not use (never over a file), then
-    meta.json is replaced. Until meta.json is replaced, readers see the old store, complete."""
+    meta.json is replaced; if that fails, they move back. Until meta.json is replaced, readers see
+    the old store, complete."""
     if old is not None:
         folder = out_dir / old["store"]
         moving = [f for f in sorted(stage.iterdir()) if _SHARD_NAME.fullmatch(f.name) or f.name.endswith(".docs")]
@@ -135,9 +136,16 @@ def publish(stage: Path, out_dir: Path, meta: dict, old: dict | None, drop: list
         if taken:
             raise UserError(f"appending would overwrite {taken[0]} in {folder}; the store changed while this "
                             f"append ran, so run the append again")
-        for f in moving:
-            os.replace(f, folder / f.name)
-        _write_meta(out_dir, {**meta, "store": old["store"]})
+        moved = []
+        try:
+            for f in moving:
+                os.replace(f, folder / f.name)
+                moved.append(f)
+            _write_meta(out_dir, {**meta, "store": old["store"]})
+        except BaseException:
+            for f in moved:  # never referenced: back in the stage, where a rerun resumes from
+                os.replace(folder / f.name, f)
+            raise
         return
     name = f"store-{secrets.token_hex(6)}"
     previous = _read_meta_quietly(out_dir)

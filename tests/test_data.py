@@ -281,6 +281,24 @@ def test_load_meta_and_split_sizes(tmp_path, char_dir):
         load_meta(broken)
 
 
+@pytest.mark.parametrize("edit,says", [
+    (lambda m: m.update(bytes_per_token={"val": "2"}), "malformed"),
+    (lambda m: m.update(bytes_per_token="x"), "malformed"),
+    (lambda m: m.update(bytes_per_token={"val": -1.0}), "malformed"),
+    (lambda m: m.update(vocab_size=m["vocab_size"] - 1), "gives vocab_size .* its tokenizer .*edited")])
+def test_edited_meta_is_refused_before_training(tmp_path, char_dir, edit, says):
+    """meta.json is a file a user may edit: what evaluation divides by (bytes_per_token) and the
+    vocabulary the model is sized by must hold what preparing wrote, or training would stop with a
+    traceback at its first evaluation, or with a NaN loss blamed on the learning rate."""
+    edited = tmp_path / "edited"
+    shutil.copytree(char_dir, edited)
+    meta = json.loads((edited / "meta.json").read_text())
+    edit(meta)
+    (edited / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=says):
+        load_meta(edited)
+
+
 # ----- caching and defaults
 
 def test_ensure_prepared_reuses(tmp_path, monkeypatch):
@@ -337,7 +355,7 @@ def write_format(path: Path, docs: list, field: str = "text") -> Path:
         import pyarrow.parquet as pq
         pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path, row_group_size=2)
         return path
-    if ".jsonl" in name:
+    if ".json" in name:
         def obj(doc):
             for part in reversed(field.split(".")):
                 doc = {part: doc}
@@ -361,13 +379,15 @@ def want_gpt2(docs: list[str]) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("suffix", ["jsonl", "jsonl.gz", "parquet"])
+@pytest.mark.parametrize("suffix", ["jsonl", "jsonl.gz", "parquet", "json", "json.gz"])
 @pytest.mark.parametrize("frac", [0.0, 0.4])
 def test_record_formats_round_trip(tmp_path, suffix, frac):
+    """Every record format, .json read as JSON lines (as Hugging Face datasets reads it)."""
     src = write_format(tmp_path / f"docs.{suffix}", DOCS)
     meta = prepare([src], "gpt2", tmp_path / "gpt2", val_fraction=frac)
     assert all_tokens(tmp_path / "gpt2") == want_gpt2(DOCS)
-    assert meta["sources"][0]["format"] == suffix and meta["skipped_records"] == 0
+    fmt = {"json": "jsonl", "json.gz": "jsonl.gz"}.get(suffix, suffix)
+    assert meta["sources"][0]["format"] == fmt and meta["skipped_records"] == 0
     assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == len("".join(DOCS).encode())
     meta = prepare([src], "char", tmp_path / "char", val_fraction=frac)  # no end-of-text: concatenated
     tok = load_tokenizer(meta["tokenizer"], files(tmp_path / "char"))
@@ -378,9 +398,11 @@ def test_txt_gz_is_one_document(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "CHUNK_BYTES", 4096)  # several 256-byte gz pieces: still exact
     text = SHAKESPEARE[:20_000]
     a = write_format(tmp_path / "a.txt.gz", [text])
-    b = write(tmp_path / "b.txt", "plain\n")
+    plain = SHAKESPEARE[20_000:40_000]  # past the cut: a whole in train, b whole in val
+    b = write(tmp_path / "b.txt", plain)
     meta = prepare([a, b], "gpt2", tmp_path / "out", val_fraction=0.3)
-    assert all_tokens(tmp_path / "out") == want_gpt2([text, "plain\n"])
+    assert all_tokens(tmp_path / "out") == want_gpt2([text, plain])
+    assert meta["splits"]["val"]["documents"] == 1 and meta["splits"]["train"]["tokens"] == len(want_gpt2([text]))
     assert meta["sources"][0]["bytes"] == a.stat().st_size and len(meta["sources"][0]["sha256"]) == 64
     import hashlib
     assert meta["sources"][0]["sha256"] == hashlib.sha256(a.read_bytes()).hexdigest()
@@ -421,7 +443,7 @@ def test_mixed_folder_default_include(tmp_path):
 def test_whole_records_go_to_val(tmp_path, suffix):
     """Records are never split between train and val, and val is about val_fraction of them."""
     rng = np.random.default_rng(0)
-    n = 3000 if suffix == "jsonl.gz" else 200  # gzip: enough compressed bytes for its 8 KiB reads
+    n = 200
     docs = [f"doc {i}: " + " ".join(f"{x:x}" for x in rng.integers(0, 1 << 30, 12)) + "\n" for i in range(n)]
     src = write_format(tmp_path / f"r.{suffix}", docs)
     prepare([src], "gpt2", tmp_path / "out", val_fraction=0.25)
@@ -430,7 +452,37 @@ def test_whole_records_go_to_val(tmp_path, suffix):
     assert val[0] == 50256 and train[-1] != 50256  # the cut falls between two documents
     n_val = val.count(50256)  # each val document is preceded by an end-of-text token
     assert GPT2.decode(val[1:]) == "<|endoftext|>".join(docs[-n_val:])
-    assert abs(n_val / n - 0.25) < (0.1 if suffix == "jsonl.gz" else 0.02)
+    assert abs(n_val / n - 0.25) < 0.02
+
+
+def test_small_gzip_files_split_by_their_text(tmp_path):
+    """A .txt.gz or .jsonl.gz that the gzip reader reads whole at once (it reads ahead) still splits
+    at val_fraction of its text: by the decompressed bytes, where the compressed bytes read so far
+    put all of a small file in val."""
+    text = SHAKESPEARE[:40_000]  # ASCII: a char token a byte
+    meta = prepare([write_format(tmp_path / "one.txt.gz", [text])], "char", tmp_path / "t", val_fraction=0.1)
+    assert (meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"]) == (36_000, 4_000)
+    meta = prepare([write_format(tmp_path / "docs.jsonl.gz", MANY)], "char", tmp_path / "j", val_fraction=0.25)
+    assert meta["splits"]["val"]["documents"] in (14, 15, 16)  # of 60
+
+
+def test_a_split_left_empty_is_refused_and_the_store_kept(tmp_path, capsys):
+    """Whole documents go to val: a corpus whose last document holds the text past the cut would
+    publish an empty train split, and one whose documents past the cut hold no text an empty val
+    split. Both are refused before the store in out_dir is replaced; a val share far from the one
+    asked is a warning."""
+    good = prepare([write(tmp_path / "a.txt", SHAKESPEARE[:5000])], "char", tmp_path / "out")
+    with pytest.raises(UserError, match="the train split would be empty.*--val_documents"):
+        prepare([write_format(tmp_path / "one.jsonl", ["a single record"])], "char", tmp_path / "out")
+    empty_tail = [json.dumps({"text": "x" * 1000})] + [json.dumps({"text": ""})] * 100
+    with pytest.raises(UserError, match="the val split would be empty"):
+        prepare([write(tmp_path / "tail.jsonl", "\n".join(empty_tail) + "\n")], "char", tmp_path / "out")
+    assert load_meta(tmp_path / "out") == good
+    capsys.readouterr()
+    meta = prepare([write(tmp_path / "in/0.txt", "tiny\n"), write(tmp_path / "in/1.txt", SHAKESPEARE[:5000])],
+                   "char", tmp_path / "skew")
+    assert meta["splits"]["train"]["tokens"] == 5 and "warning: val holds 100% of the tokens, not the 10% asked" \
+        in capsys.readouterr().err
 
 
 def test_skip_bad_records_counts(tmp_path):
@@ -531,9 +583,9 @@ def test_huge_record_is_cut_into_pieces(tmp_path, monkeypatch):
 def test_cache_key_covers_text_field(tmp_path):
     src = write_format(tmp_path / "in" / "a.jsonl", ["alpha"], field="body")
     write_format(tmp_path / "in" / "b.jsonl", ["beta"], field="text")
-    d1 = ensure_prepared([src], "char", tmp_path / "cache", text_field="body")
-    assert ensure_prepared([src], "char", tmp_path / "cache", text_field="body") == d1
-    assert ensure_prepared([tmp_path / "in" / "b.jsonl"], "char", tmp_path / "cache") != d1
+    d1 = ensure_prepared([src], "char", tmp_path / "cache", text_field="body", val_fraction=0.0)
+    assert ensure_prepared([src], "char", tmp_path / "cache", text_field="body", val_fraction=0.0) == d1
+    assert ensure_prepared([tmp_path / "in" / "b.jsonl"], "char", tmp_path / "cache", val_fraction=0.0) != d1
     assert data.cache_key([src], data.Settings("char", text_field="body")) != \
         data.cache_key([src], data.Settings("char", text_field="text"))
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import gpt.data as data
 import gpt.store as store
 from gpt.batches import Batches
 from gpt.data import load_meta, prepare
@@ -128,6 +129,50 @@ def test_failed_commit_puts_the_stage_back_and_a_rerun_resumes(tmp_path, monkeyp
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["meta.json", meta["store"]]
     assert sorted(p.name for p in (tmp_path / "out" / meta["store"]).iterdir()) == \
         ["train-00000.bin", "train-00000.docs", "val-00000.bin", "val-00000.docs"]
+
+
+def test_failed_append_commit_moves_the_shards_back_and_a_rerun_appends(tmp_path, monkeypatch):
+    """An append whose meta.json cannot be written (a full disk) leaves the store as it was: the
+    new shards go back to the stage, so the same command, rerun, appends them (they used to stay
+    in the store unlisted, and every rerun refused to overwrite them)."""
+    out = tmp_path / "out"
+    first = prepare([write(tmp_path / "in/a.txt", SHAKESPEARE[:3000])], "gpt2", out)
+    before = sorted(p.name for p in store.files_dir(out, first).iterdir())
+    write(tmp_path / "in/b.txt", SHAKESPEARE[3000:6000])
+    real = store.atomic_write_bytes
+    monkeypatch.setattr(store, "atomic_write_bytes", lambda *a: (_ for _ in ()).throw(OSError(28, "No space")))
+    with pytest.raises(UserError, match="No space"):
+        prepare([tmp_path / "in"], None, out, append=True)
+    assert load_meta(out) == first and sorted(p.name for p in store.files_dir(out, first).iterdir()) == before
+    monkeypatch.setattr(store, "atomic_write_bytes", real)
+    meta = prepare([tmp_path / "in"], None, out, append=True)
+    assert len(meta["sources"]) == 2 and meta["splits"]["train"]["tokens"] > first["splits"]["train"]["tokens"]
+
+
+def test_a_second_prepare_of_one_out_dir_waits_for_the_first(tmp_path):
+    """Two preparations into one out_dir (two train.py --input runs of one corpus share its cache)
+    run one after the other: the second waits for out_dir's lock, where it used to delete the
+    first's staging dir."""
+    import threading
+    src = write(tmp_path / "a.txt", SHAKESPEARE[:3000])
+    out = tmp_path / "out"
+    out.mkdir()
+    held, release, done = threading.Event(), threading.Event(), []
+
+    def holder():
+        with data._one_at_a_time(out):
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=holder).start()
+    held.wait(30)
+    second = threading.Thread(target=lambda: done.append(prepare([src], "char", out)))
+    second.start()
+    second.join(1.0)
+    assert second.is_alive() and not done and not (out / "meta.json").exists()  # waiting for the lock
+    release.set()
+    second.join(60)
+    assert done and load_meta(out) == done[0]
 
 
 def test_edited_indexes_cannot_delete_or_hang(tmp_path):
