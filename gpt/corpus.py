@@ -38,6 +38,7 @@ Choices, and why:
 """
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import io
@@ -501,6 +502,8 @@ def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher) -> Recor
             offset = 0
             for lineno, line in enumerate(f, 1):
                 offset += len(line)
+                if lineno == 1 and line.startswith(codecs.BOM_UTF8):  # an editor's byte-order mark
+                    line = line[len(codecs.BOM_UTF8):]
                 if not line.strip():
                     continue
                 pos = offset * scale[0] // scale[1]
@@ -526,8 +529,10 @@ def _parquet_records(path: Path, reading: Reading, hasher) -> Records:
         pf = pq.ParquetFile(path)
         names = pf.schema_arrow.names
         if field not in names:
-            raise UserError(f"{str(path)!r} has no column {field!r} (columns: {', '.join(names) or 'none'}); "
-                            f"pass --text_field=NAME with the column that holds the text")
+            nested = " (a field inside a struct column is not read: flatten it first)" if "." in field else ""
+            raise UserError(f"{str(path)!r} has no column {field!r}{nested} (columns: "
+                            f"{', '.join(names) or 'none'}); pass --text_field=NAME with the column that holds "
+                            f"the text")
         total, row = max(pf.metadata.num_rows, 1), 0
         for batch in pf.iter_batches(batch_size=1024, columns=[field]):
             for value in batch.column(0).to_pylist():

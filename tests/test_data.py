@@ -455,6 +455,15 @@ def test_whole_records_go_to_val(tmp_path, suffix):
     assert abs(n_val / n - 0.25) < 0.02
 
 
+def test_a_byte_order_mark_opens_a_jsonl_file(tmp_path):
+    """A JSONL file saved with a UTF-8 byte-order mark (some Windows editors) reads its first
+    record, which json.loads refused (and --skip_bad_records silently dropped)."""
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps({"text": d}) + "\n" for d in ("one", "two")).encode())
+    prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0)
+    assert all_tokens(tmp_path / "out") == want_gpt2(["one", "two"])
+
+
 def test_small_gzip_files_split_by_their_text(tmp_path):
     """A .txt.gz or .jsonl.gz that the gzip reader reads whole at once (it reads ahead) still splits
     at val_fraction of its text: by the decompressed bytes, where the compressed bytes read so far
