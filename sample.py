@@ -40,6 +40,8 @@ def main(argv: Sequence[str]) -> int:
         return 0
     (cfg,), explicit = build([SampleConfig], argv)
     validate_sample(cfg)
+    if hasattr(sys.stdout, "reconfigure"):  # text a terminal's encoding lacks: "?", not a traceback
+        sys.stdout.reconfigure(errors="replace")
     if "prompt" in explicit and "prompt_file" in explicit:
         raise UserError("give either --prompt or --prompt_file, not both")
     if "num_draft_tokens" in explicit and not cfg.draft_out_dir:
@@ -76,10 +78,12 @@ def main(argv: Sequence[str]) -> int:
     sampler = make_sampler(cfg, model, draft, tok)
     state = sampler.start([prompt] * cfg.num_samples, jax.random.key(cfg.seed))
     texts = lambda state: row_texts(sampler, state, prompt, tok, cfg)
+    # an empty prompt starts from the end-of-text token, which is not text to show (HF skips it too)
+    shown = "" if prompt == [tok.eot_id] else tok.decode(prompt)
     if cfg.stream and cfg.num_samples == 1:
-        state = stream_one(sampler, state, tok.decode(prompt), texts, cfg.stop)
+        state = stream_one(sampler, state, shown, texts, cfg.stop)
     else:
-        state = print_all(sampler, state, tok.decode(prompt), texts)
+        state = print_all(sampler, state, shown, texts)
     if cfg.draft_out_dir:
         stats = sampler.stats(state)
         print(f"note: speculative decoding: the target kept {100 * stats['acceptance_rate']:.0f}% of "

@@ -96,7 +96,7 @@ def list_steps(out_dir: str | Path) -> list[int]:
     d = checkpoint_dir(out_dir)
     if not d.is_dir():
         return []
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit())
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isascii() and p.name.isdigit())
 
 
 class Checkpointer:
@@ -222,7 +222,18 @@ class Checkpointer:
                           file=sys.stderr, flush=True)
             self._move_aside([d for d, _ in damaged])
             return s, out["params"], out.get("opt_state") if abstract_opt_state else None, meta
+        if all(_mismatch(why) for _, why in damaged):
+            raise UserError(f"the checkpoints in {self.dir} hold arrays of other shapes than the model "
+                            f"their metadata describes (newest: {damaged[0][1]}): the metadata was edited, or "
+                            f"it was written by code that builds the model differently; restore the metadata "
+                            f"or use that code (the arrays are intact; nothing was moved or deleted)")
         raise UserError(damaged_message(self.dir.parent, steps, damaged[0][1]))
+
+
+def _mismatch(why: str) -> bool:
+    """Whether a failed restore's cause is arrays that do not fit the model built from the
+    metadata (shapes, the tree's structure), not a damaged or missing file."""
+    return re.search(r"shape|structure|tree|mismatch", why, re.IGNORECASE) is not None
 
 
 def _quiet_abandoned_reads() -> None:
@@ -311,6 +322,8 @@ def describe_missing(out_dir: str | Path) -> str:
     out = Path(out_dir)
     if not out.exists():
         there = "it does not exist"
+    elif not out.is_dir():
+        there = "it is a file, not a folder"
     else:
         names = sorted(p.name for p in out.iterdir())[:8]
         there = f"it holds: {', '.join(names)}" if names else "it is empty"

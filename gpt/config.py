@@ -521,6 +521,9 @@ def check_lora_flags(t: TrainConfig, explicit: set[str]) -> None:
         raise UserError(f"--{given[0]} needs --lora_rank=N (LoRA fine-tuning)")
 
 
+TEMPERATURES = (1e-4, 1e4)  # --temperature's range besides 0
+
+
 def validate_sample(s: SampleConfig) -> SampleConfig:
     if s.num_samples < 1:
         raise UserError(f"--num_samples={s.num_samples} must be at least 1")
@@ -531,8 +534,14 @@ def validate_sample(s: SampleConfig) -> SampleConfig:
                         f"call can hold or finish (at most {MAX_NEW_TOKENS:,} tokens and {MAX_SAMPLES:,} samples); "
                         f"ask for less, or call it several times")
     _check_seed(s.seed)
-    if s.temperature < 0:
-        raise UserError(f"--temperature={s.temperature} must be zero (greedy) or positive")
+    if s.temperature != 0 and not TEMPERATURES[0] <= s.temperature <= TEMPERATURES[1]:
+        # beyond these, logits / T over- or underflows float32 and the padded -inf entries become
+        # NaN: the samples are padding, not text
+        raise UserError(f"--temperature={s.temperature} must be 0 (greedy) or between {TEMPERATURES[0]:g} "
+                        f"and {TEMPERATURES[1]:g} (0.7-1.0 is typical)")
+    if any(not stop for stop in s.stop):
+        raise UserError("--stop is an empty string, which would cut every sample at its start; pass the "
+                        "text to stop at, or leave --stop out")
     if s.top_k < 0:
         raise UserError(f"--top_k={s.top_k} must be zero (off) or positive")
     if not 0.0 < s.top_p <= 1.0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import re
 import sys
 import traceback
@@ -55,6 +56,9 @@ def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | 
         code = main(list(sys.argv[1:] if argv is None else argv))
     except SystemExit:
         raise
+    except BrokenPipeError:  # the reader went away (`sample.py | head`): stop quietly, as cat does
+        _silence_stdout()
+        sys.exit(0)
     except BaseException as e:  # noqa: BLE001 - each is reported (or re-raised) below
         status, line = failure_line(e)
         if line is None and not _failure_handler:
@@ -72,6 +76,15 @@ def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | 
             report()
         sys.exit(status)
     sys.exit(code or 0)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises no second BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture)
+        pass
 
 
 def on_failure(handler: FailureHandler) -> None:

@@ -228,9 +228,13 @@ class Sampler:
         return self.new_tokens(state, prompts)
 
     def new_tokens(self, state: DecodeState, prompts: list[list[int]]) -> list[list[int]]:
+        """Each row's tokens after its prompt (through its end-of-text token), read whole and cut
+        on the host: a slice to the current position on the device would be a program of its own
+        for every position, compiled anew each chunk (20x the decoding time of a small model)."""
         P = max(len(p) for p in prompts)
         out = []
-        for row in jax.device_get(state.tokens_BN[:, P:int(state.pos)]).tolist():
+        tokens_BN, pos = jax.device_get((state.tokens_BN, state.pos))
+        for row in tokens_BN[:, P:int(pos)].tolist():
             if self.settings.eot_id is not None and self.settings.eot_id in row:
                 row = row[:row.index(self.settings.eot_id) + 1]
             out.append(row)

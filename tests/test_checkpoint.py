@@ -70,6 +70,16 @@ def test_every_step_damaged_and_missing_are_one_line(tmp_path):
     assert "does not exist" in ckpt.describe_missing(tmp_path / "nowhere")
 
 
+def test_arrays_of_other_shapes_are_not_called_damaged(tmp_path):
+    """Arrays that do not fit the model the metadata describes (an edited n_embd, say) are named
+    as such, and the message never suggests --overwrite, which would delete intact arrays."""
+    save_steps(tmp_path, {1: 2.0})
+    wider = {"w": jnp.zeros((3, 8), jnp.float32), "b": jnp.zeros((8,), jnp.float32)}
+    with pytest.raises(UserError, match="arrays of other shapes than the model") as e:
+        ckpt.Checkpointer(tmp_path, read_only=True).restore(abstract(wider))
+    assert "--overwrite" not in str(e.value) and (ckpt.checkpoint_dir(tmp_path) / "1").is_dir()
+
+
 def test_read_meta_skips_a_step_whose_meta_is_damaged(tmp_path):
     save_steps(tmp_path, {1: 2.0, 2: 1.5})
     (ckpt.checkpoint_dir(tmp_path) / "2" / "meta" / "metadata").write_text("{torn")
@@ -113,3 +123,15 @@ def test_asyncio_log_drops_only_failed_checkpoint_writes(message, shown):
     logs at exit as never retrieved, must not add a traceback after it. Anything else shows."""
     record = _asyncio_record(ValueError(message))
     assert all(f.filter(record) for f in logging.getLogger("asyncio").filters) == shown
+
+
+def test_odd_out_dirs_are_one_line(tmp_path):
+    """sample.py's --out_dir naming a file says so (it raised NotADirectoryError), and a folder in
+    checkpoints/ whose name is a digit Python's int() does not take (²) is not a step."""
+    from gpt import checkpoint as ck
+    f = tmp_path / "run.sh"
+    f.write_text("#!/bin/sh\n")
+    assert "it is a file, not a folder" in ck.describe_missing(f)
+    (tmp_path / "out" / "checkpoints" / "\u00b2").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoints" / "7").mkdir()
+    assert ck.list_steps(tmp_path / "out") == [7]

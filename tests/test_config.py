@@ -111,6 +111,8 @@ def test_config_files_toml_and_json(tmp_path):
     (["--temperature=-0.1"], "temperature"), (["--num_samples=0"], "num_samples"),
     (["--max_new_tokens=-5"], "max_new_tokens"), (["--num_draft_tokens=0"], "num_draft_tokens"),
     (["--num_draft_tokens=33"], "num_draft_tokens"),
+    (["--temperature=1e38"], "temperature"), (["--temperature=1e-40"], "temperature"),  # NaN, not text
+    (["--stop="], "stop"), (["--stop=END", "--stop="], "stop"),  # would cut every sample at its start
 ])
 def test_sample_settings_validated(argv, field):
     (s,), _ = build([SampleConfig], argv)

@@ -109,3 +109,13 @@ def test_a_full_disk_is_one_line_whatever_the_file_name(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err == ("error: No space left on device while writing out/a b c; free space "
                                          "on that disk or choose another output directory\n")
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(capsys):
+    """`sample.py | head`: when the reader closes the pipe, the command stops with status 0 and no
+    traceback, as cat does."""
+    def main(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+    with pytest.raises(SystemExit) as e:
+        run_main(main, [])
+    assert e.value.code == 0 and capsys.readouterr().err == ""
