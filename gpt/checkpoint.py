@@ -224,9 +224,9 @@ class Checkpointer:
             return s, out["params"], out.get("opt_state") if abstract_opt_state else None, meta
         if all(_mismatch(why) for _, why in damaged):
             raise UserError(f"the checkpoints in {self.dir} hold arrays of other shapes than the model "
-                            f"their metadata describes (newest: {damaged[0][1]}): the metadata was edited, or "
-                            f"it was written by code that builds the model differently; restore the metadata "
-                            f"or use that code (the arrays are intact; nothing was moved or deleted)")
+                            f"their metadata describes (newest: {damaged[0][1]}): the metadata was edited, "
+                            f"or it was written by code that builds the model differently; restore the "
+                            f"metadata or use that code (the arrays are intact; nothing was moved or deleted)")
         raise UserError(damaged_message(self.dir.parent, steps, damaged[0][1]))
 
 

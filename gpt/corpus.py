@@ -531,8 +531,8 @@ def _parquet_records(path: Path, reading: Reading, hasher) -> Records:
         if field not in names:
             nested = " (a field inside a struct column is not read: flatten it first)" if "." in field else ""
             raise UserError(f"{str(path)!r} has no column {field!r}{nested} (columns: "
-                            f"{', '.join(names) or 'none'}); pass --text_field=NAME with the column that holds "
-                            f"the text")
+                            f"{', '.join(names) or 'none'}); pass --text_field=NAME with the column that "
+                            f"holds the text")
         total, row = max(pf.metadata.num_rows, 1), 0
         for batch in pf.iter_batches(batch_size=1024, columns=[field]):
             for value in batch.column(0).to_pylist():

@@ -271,7 +271,8 @@ def uses_norm_kernel(rt: Runtime, cfg: ModelConfig, cached: bool) -> bool:
     return bool(rt.norm_kernel) and not cached and cfg.norm in ("layernorm", "rmsnorm")
 
 
-def kernel_norm(x_BTD: jax.Array, scale, bias, cfg: ModelConfig, rt: Runtime, stream: bool):
+def kernel_norm(x_BTD: jax.Array, scale: nnx.Param, bias: nnx.Param | None, cfg: ModelConfig, rt: Runtime,
+                stream: bool) -> "jax.Array | tuple[jax.Array, jax.Array]":
     """The norm of x in the products' dtype with gpt/ops/norm_kernel.py's backward (`Runtime.norm_kernel`):
     `norm_stream`'s (x, norm(x)) when `stream`, else `norm`'s norm(x)."""
     t = norm_lib.Tiles(interpret=rt.norm_kernel == "interpret")
