@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from gpt.errors import UserError, run_main
+from gpt.errors import UserError, reader_may_leave, run_main
 
 
 MAX_PROMPT_CHARS = 10_000_000
@@ -80,10 +80,11 @@ def main(argv: Sequence[str]) -> int:
     texts = lambda state: row_texts(sampler, state, prompt, tok, cfg)
     # an empty prompt starts from the end-of-text token, which is not text to show (HF skips it too)
     shown = "" if prompt == [tok.eot_id] else tok.decode(prompt)
-    if cfg.stream and cfg.num_samples == 1:
-        state = stream_one(sampler, state, shown, texts, cfg.stop)
-    else:
-        state = print_all(sampler, state, shown, texts)
+    with reader_may_leave():  # `sample.py | head`
+        if cfg.stream and cfg.num_samples == 1:
+            state = stream_one(sampler, state, shown, texts, cfg.stop)
+        else:
+            state = print_all(sampler, state, shown, texts)
     if cfg.draft_out_dir:
         stats = sampler.stats(state)
         print(f"note: speculative decoding: the target kept {100 * stats['acceptance_rate']:.0f}% of "

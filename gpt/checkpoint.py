@@ -230,10 +230,16 @@ class Checkpointer:
         raise UserError(damaged_message(self.dir.parent, steps, damaged[0][1]))
 
 
+# Orbax's own words for arrays that do not fit the requested tree ("... is not compatible with the
+# stored shape", "... metadata tree structures do not match"): phrases, not words, since the cause's
+# text also holds the checkpoint's path, which may hold "shape" or "tree"
+_MISMATCH = re.compile(r"stored shape|structures do not match|structure mismatch", re.IGNORECASE)
+
+
 def _mismatch(why: str) -> bool:
     """Whether a failed restore's cause is arrays that do not fit the model built from the
     metadata (shapes, the tree's structure), not a damaged or missing file."""
-    return re.search(r"shape|structure|tree|mismatch", why, re.IGNORECASE) is not None
+    return _MISMATCH.search(why) is not None
 
 
 def _quiet_abandoned_reads() -> None:

@@ -39,6 +39,7 @@ Choices, and why:
 from __future__ import annotations
 
 import codecs
+import functools
 import glob
 import gzip
 import io
@@ -354,8 +355,9 @@ def _source_pieces(src: Source, start: int, rule: SplitRule, reading: Reading, h
             return
         yield from _gzip_text_pieces(src.path, start, rule.cut, reading.errors, hasher, whole)
         return
+    straddles = rule.first_val_doc is None and start < rule.cut < start + src.size  # positions matter
     records = _parquet_records(src.path, reading, hasher) if fmt == "parquet" else \
-        _jsonl_records(src.path, fmt.endswith(".gz"), reading, hasher)
+        _jsonl_records(src.path, fmt.endswith(".gz"), reading, hasher, straddles)
     yield from _record_pieces(src.path, records, start, rule, reading, stats, doc)
 
 
@@ -403,7 +405,14 @@ def gzip_text_bytes(path: Path) -> int:
     """The decompressed size of a .gz file, from a pass over it: where its text ends, for a split
     by the text's bytes (a gzip reader reads ahead, up to a whole small file, so the compressed
     bytes read so far say little of where the text returned so far ends; the trailer's size is
-    its last member's, modulo 4 GiB)."""
+    its last member's, modulo 4 GiB). Once per file and version of it (a preparation reads its
+    corpus in several passes)."""
+    st = path.stat()
+    return _gzip_text_bytes(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _gzip_text_bytes(path: str, size: int, mtime_ns: int) -> int:
     n = 0
     with open(path, "rb") as raw, _gzip_errors(path), gzip.GzipFile(fileobj=raw, mode="rb") as gz:
         for block in iter(lambda: gz.read(CHUNK_BYTES), b""):
@@ -490,23 +499,26 @@ def _kind(value) -> str:
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
-def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher) -> Records:
+def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher, straddles: bool = True) -> Records:
     """A JSON-lines file (optionally gzipped), streamed line by line; blank lines are ignored.
     The position is the line's end, for .gz in the decompressed text scaled to the file's size
-    (`gzip_text_bytes`: a first pass)."""
-    scale = (path.stat().st_size, max(gzip_text_bytes(path), 1)) if gzipped else (1, 1)
+    (`gzip_text_bytes`: a first pass, made only for a file the val cut `straddles`; any other's
+    records all sit at its end)."""
+    size = path.stat().st_size
+    unzipped = max(gzip_text_bytes(path), 1) if gzipped and straddles else None
     with open(path, "rb") as raw, _gzip_errors(path):
         tracked = _Tracked(raw, hasher)
         f = gzip.GzipFile(fileobj=tracked, mode="rb") if gzipped else io.BufferedReader(tracked, CHUNK_BYTES)
         with f:
-            offset = 0
+            offset, first = 0, True
             for lineno, line in enumerate(f, 1):
                 offset += len(line)
                 if lineno == 1 and line.startswith(codecs.BOM_UTF8):  # an editor's byte-order mark
                     line = line[len(codecs.BOM_UTF8):]
                 if not line.strip():
                     continue
-                pos = offset * scale[0] // scale[1]
+                array, first = first and line.lstrip().startswith(b"["), False
+                pos = offset if not gzipped else size if unzipped is None else offset * size // unzipped
                 try:
                     obj = json.loads(line.decode("utf-8", reading.errors))
                 except UnicodeDecodeError:
@@ -514,6 +526,9 @@ def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher) -> Recor
                                                         "substitute U+FFFD)")
                     continue
                 except json.JSONDecodeError as e:
+                    if array:  # the whole file is one value: skipping bad records would skip it all
+                        raise UserError(f"{str(path)!r} is one JSON array, not JSON lines (an object a "
+                                        f"line); convert it, e.g. jq -c '.[]' FILE > FILE.jsonl") from None
                     yield pos, f"line {lineno}", None, f"is not valid JSON ({e.msg} at column {e.colno})"
                     continue
                 text, problem = _field(obj, reading.text_field)

@@ -24,6 +24,7 @@ Sampling batches from a store: gpt/batches.py. Here:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -192,7 +193,7 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
             val_fraction: float = 0.1, val_documents: int | None = None, include: Include = DEFAULT_INCLUDE,
             errors: str = "strict", workers: int | None = None, backend: str = "auto",
             text_field: str = "text", skip_bad_records: bool = False, shard_tokens: int = store.SHARD_TOKENS,
-            append: bool = False) -> dict:
+            append: bool = False, reuse: bool = False) -> dict:
     """Tokenize text, JSONL and Parquet files into a store of token shards in `out_dir`
     (layout: gpt/store.py); returns the meta dict.
 
@@ -208,7 +209,9 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
     skip_bad_records: skip (and count) records that are not JSON or lack a string text field.
     workers: tokenizer processes (default: all cores); backend: "auto" | "process" | "thread"
     (`_make_executor`). shard_tokens: tokens per shard. append: add the inputs not yet in the
-    store in `out_dir` as new shards, with its tokenizer. An interrupted prepare resumes.
+    store in `out_dir` as new shards, with its tokenizer. An interrupted prepare resumes. reuse: a
+    valid store found in out_dir once its lock is held is returned as it is (`ensure_prepared`,
+    whose cache dir is named by its key: a run that waited for another's preparation finds it done).
     """
     out_dir = Path(out_dir)
     old = _store_to_append(out_dir, tokenizer) if append else None
@@ -232,11 +235,23 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
                     dataclasses.replace(settings, tokenizer=identity(tokenizer)))
     created = _make_out_dir(out_dir)
     with _one_at_a_time(out_dir):
-        return _prepare_locked(out_dir, created, key, sources, reading, rule, settings, old, workers, backend)
+        done = _prepared(out_dir) if reuse else None
+        return done or _prepare_locked(out_dir, created, key, sources, reading, rule, settings, old, workers,
+                                       backend)
 
 
-def _prepare_locked(out_dir: Path, created: bool, key: str, sources: list[Source], reading: Reading, rule,
-                    settings: Settings, old: dict | None, workers: int, backend: str) -> dict:
+def _prepared(out_dir: Path) -> dict | None:
+    """out_dir's store if it holds a valid one, else None (none yet, stale or corrupt)."""
+    if not (out_dir / "meta.json").is_file():
+        return None
+    try:
+        return load_meta(out_dir)
+    except UserError:
+        return None
+
+
+def _prepare_locked(out_dir: Path, created: bool, key: str, sources: list[Source], reading: Reading,
+                    rule: SplitRule, settings: Settings, old: dict | None, workers: int, backend: str) -> dict:
     """`prepare`'s work with out_dir's lock held: stage (or resume), tokenize, check, publish."""
     keep = False  # keep the staging dir for a resume: not after bad input, which must be fixed first
     stage = out_dir / f".prepare-{key[:16]}"
@@ -296,7 +311,8 @@ def _check_splits(meta: dict, s: Settings) -> None:
     a val split was asked for. Warn when val's share of the tokens is far from the one asked
     (documents much larger than the val share)."""
     tokens = {split: meta["splits"][split]["tokens"] for split in SPLITS}
-    fix = "pass --val_documents=N to choose val by document, or more, smaller documents"
+    fix = ("prepare it with `python -m gpt.data ... --val_documents=N` to choose val by document (then "
+           "train with --data_dir), or use more, smaller documents")
     if tokens["train"] == 0:
         raise UserError(f"the train split would be empty ({tokens['val']:,} val tokens): whole documents go "
                         f"to val, and those past the cut hold all the text; {fix}")
@@ -353,9 +369,12 @@ def _make_out_dir(out_dir: Path) -> bool:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"cannot write to out_dir {str(out_dir)!r} ({e.strerror}); choose a writable "
-                        f"--out_dir") from None
+        raise _unwritable(out_dir, e) from None
     return created
+
+
+def _unwritable(out_dir: Path, e: OSError) -> UserError:
+    return UserError(f"cannot write to out_dir {str(out_dir)!r} ({e.strerror}); choose a writable --out_dir")
 
 
 @contextmanager
@@ -363,18 +382,49 @@ def _one_at_a_time(out_dir: Path):
     """Hold out_dir's lock (an exclusive flock on the folder itself: no lock file is left behind)
     while preparing into it: a second preparation of the same out_dir (two train.py --input runs of
     one corpus share its cache) waits for the first, where it would delete the first's staging
-    dir. No lock where the platform has no flock (Windows)."""
+    dir. No lock where the platform (Windows) or the filesystem has no flock."""
     try:
         import fcntl
     except ImportError:
         yield
         return
-    fd = os.open(out_dir, os.O_RDONLY)
+    fd = _locked(out_dir, fcntl)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EBADF, errno.EOPNOTSUPP, errno.EINVAL)  # flock unsupported
+
+
+def _locked(out_dir: Path, fcntl) -> int | None:
+    """An open descriptor of out_dir holding its exclusive flock, or None (with a note) on a
+    filesystem without flock (Lustre without -o flock, some NFS). A folder removed and made again
+    while this waited (a failed first preparation removes the out_dir it made) is locked afresh:
+    the lock must be on the folder that is there."""
+    while True:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(out_dir, os.O_RDONLY)
+        except OSError as e:
+            raise _unwritable(out_dir, e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in NO_LOCKS:
+                raise
+            print(f"note: {out_dir} has no file locks ({e.strerror}); do not prepare into it from two runs "
+                  f"at once", file=sys.stderr)
+            return None
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(out_dir)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 def _stage(out_dir: Path, stage: Path, key: str) -> dict:
@@ -390,8 +440,7 @@ def _stage(out_dir: Path, stage: Path, key: str) -> dict:
             shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(exist_ok=True)
     except OSError as e:
-        raise UserError(f"cannot write to out_dir {str(out_dir)!r} ({e.strerror}); choose a writable "
-                        f"--out_dir") from None
+        raise _unwritable(out_dir, e) from None
     return progress or {"key": key}
 
 
@@ -616,14 +665,19 @@ def check_split_sizes(meta: dict, block_size: int) -> None:
                             f"least {need}; use a smaller --block_size or {hint}")
 
 
+# How inputs are read and split (gpt/corpus.py): a change re-prepares cached stores and never resumes
+# an interrupted preparation made by the old reading. 2: .json as JSON lines, .gz split by its text
+READER_VERSION = 2
+
+
 def cache_key(files: list[Path], settings: Settings) -> str:
     """Hash of everything that determines a prepared data dir (files by path, size and mtime)."""
     items = []
     for f in files:
         st = f.stat()
         items.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
-    blob = json.dumps({"format_version": FORMAT_VERSION, **dataclasses.asdict(settings), "sources": items},
-                      sort_keys=True)
+    blob = json.dumps({"format_version": FORMAT_VERSION, "reader": READER_VERSION, **dataclasses.asdict(settings),
+                       "sources": items}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -647,18 +701,14 @@ def ensure_prepared(input_paths: Sequence[str | os.PathLike], tokenizer: str, ca
     label = kind if kind == "hf" else tokenizer.replace(":", "")
     name = f"{stem}{'-etc' if len(files) > 1 else ''}-{label}-{key[:12]}"
     d = Path(cache_root) / name
-    if (d / "meta.json").is_file():
-        try:
-            load_meta(d)
-            return d
-        except UserError:
-            pass  # stale or corrupt: prepare again below
+    if _prepared(d) is not None:
+        return d
     if not prepare_missing:
         raise UserError(f"process 0 prepared the data into {d}, which this process cannot read; the cache "
                         f"must be on a filesystem every host shares (set GPT_DATA_CACHE=DIR)")
     print(f"preparing {len(files)} file(s) with tokenizer {label} into {d} (once: later runs reuse it)",
           flush=True)
-    prepare(files, tokenizer, d, **kw)
+    prepare(files, tokenizer, d, reuse=True, **kw)  # another run may prepare it while this one waits
     return d
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+from contextlib import contextmanager
 import re
 import sys
 import traceback
@@ -56,8 +57,7 @@ def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | 
         code = main(list(sys.argv[1:] if argv is None else argv))
     except SystemExit:
         raise
-    except BrokenPipeError:  # the reader went away (`sample.py | head`): stop quietly, as cat does
-        _silence_stdout()
+    except ReaderGone:  # `sample.py | head`: stop quietly, as cat does
         sys.exit(0)
     except BaseException as e:  # noqa: BLE001 - each is reported (or re-raised) below
         status, line = failure_line(e)
@@ -78,13 +78,23 @@ def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | 
     sys.exit(code or 0)
 
 
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so that flushing it at exit raises no second BrokenPipeError."""
+class ReaderGone(Exception):
+    """The reader of stdout closed it (`sample.py | head`): `run_main` ends the command quietly."""
+
+
+@contextmanager
+def reader_may_leave():
+    """Around a command's writes to stdout: a BrokenPipeError there means its reader went away,
+    which `run_main` takes as the end of the command (status 0, no message), as cat does. Only
+    here: a broken pipe anywhere else in a program is an error like any other."""
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture)
-        pass
+        yield
+    except BrokenPipeError:
+        try:  # stdout at /dev/null, so that flushing it at exit raises no second BrokenPipeError
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture)
+            pass
+        raise ReaderGone from None
 
 
 def on_failure(handler: FailureHandler) -> None:

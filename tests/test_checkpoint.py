@@ -73,11 +73,21 @@ def test_every_step_damaged_and_missing_are_one_line(tmp_path):
 def test_arrays_of_other_shapes_are_not_called_damaged(tmp_path):
     """Arrays that do not fit the model the metadata describes (an edited n_embd, say) are named
     as such, and the message never suggests --overwrite, which would delete intact arrays."""
-    save_steps(tmp_path, {1: 2.0})
+    out = tmp_path / "run"  # pytest's own folder is named after this test: "shapes" in its path
+    save_steps(out, {1: 2.0})
     wider = {"w": jnp.zeros((3, 8), jnp.float32), "b": jnp.zeros((8,), jnp.float32)}
     with pytest.raises(UserError, match="arrays of other shapes than the model") as e:
-        ckpt.Checkpointer(tmp_path, read_only=True).restore(abstract(wider))
-    assert "--overwrite" not in str(e.value) and (ckpt.checkpoint_dir(tmp_path) / "1").is_dir()
+        ckpt.Checkpointer(out, read_only=True).restore(abstract(wider))
+    assert "--overwrite" not in str(e.value) and (ckpt.checkpoint_dir(out) / "1").is_dir()
+    fewer = {"w": jnp.zeros((2, 3), jnp.float32)}
+    with pytest.raises(UserError, match="arrays of other shapes than the model"):
+        ckpt.Checkpointer(out, read_only=True).restore(abstract(fewer))
+    # real damage under a path that says "shape" and "tree" is still damage
+    damaged = tmp_path / "shapes-street"
+    save_steps(damaged, {1: 2.0})
+    shutil.rmtree(ckpt.checkpoint_dir(damaged) / "1" / "params")
+    with pytest.raises(UserError, match=r"every checkpoint .* is damaged"):
+        ckpt.Checkpointer(damaged, read_only=True).restore(abstract(PARAMS))
 
 
 def test_read_meta_skips_a_step_whose_meta_is_damaged(tmp_path):

@@ -455,6 +455,15 @@ def test_whole_records_go_to_val(tmp_path, suffix):
     assert abs(n_val / n - 0.25) < 0.02
 
 
+def test_a_json_array_is_named_and_not_skipped(tmp_path):
+    """A .json file that holds one JSON array (not JSON lines) is one clear error, with or without
+    --skip_bad_records (which would otherwise skip the whole file, line by line)."""
+    src = write(tmp_path / "docs.json", json.dumps([{"text": "one"}, {"text": "two"}], indent=1))
+    for skip in (False, True):
+        with pytest.raises(UserError, match=r"one JSON array, not JSON lines.*jq -c"):
+            prepare([src], "gpt2", tmp_path / "out", skip_bad_records=skip)
+
+
 def test_a_byte_order_mark_opens_a_jsonl_file(tmp_path):
     """A JSONL file saved with a UTF-8 byte-order mark (some Windows editors) reads its first
     record, which json.loads refused (and --skip_bad_records silently dropped)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -153,11 +154,22 @@ def test_a_second_prepare_of_one_out_dir_waits_for_the_first(tmp_path):
     """Two preparations into one out_dir (two train.py --input runs of one corpus share its cache)
     run one after the other: the second waits for out_dir's lock, where it used to delete the
     first's staging dir."""
-    import threading
     src = write(tmp_path / "a.txt", SHAKESPEARE[:3000])
     out = tmp_path / "out"
     out.mkdir()
-    held, release, done = threading.Event(), threading.Event(), []
+    release = _hold_lock(out)
+    second, done = _in_thread(lambda: prepare([src], "char", out))
+    second.join(1.0)
+    assert second.is_alive() and not done and not (out / "meta.json").exists()  # waiting for the lock
+    release.set()
+    second.join(60)
+    assert done and load_meta(out) == done[0]
+
+
+def _hold_lock(out: Path):
+    """A thread holding out_dir's preparation lock until the returned event is set."""
+    import threading
+    held, release = threading.Event(), threading.Event()
 
     def holder():
         with data._one_at_a_time(out):
@@ -166,13 +178,47 @@ def test_a_second_prepare_of_one_out_dir_waits_for_the_first(tmp_path):
 
     threading.Thread(target=holder).start()
     held.wait(30)
-    second = threading.Thread(target=lambda: done.append(prepare([src], "char", out)))
-    second.start()
-    second.join(1.0)
-    assert second.is_alive() and not done and not (out / "meta.json").exists()  # waiting for the lock
+    return release
+
+
+def _in_thread(fn):
+    import threading
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    return t, out
+
+
+def test_a_run_that_waited_finds_the_cache_prepared_and_a_removed_folder_is_locked_afresh(tmp_path):
+    """`reuse` (ensure_prepared's cache): a run that waited for another's preparation returns its
+    store instead of preparing (and replacing) it again. A folder removed while a run waited (a
+    failed first preparation removes the out_dir it made) is made and locked again."""
+    src = write(tmp_path / "a.txt", SHAKESPEARE[:3000])
+    out = tmp_path / "out"
+    first = prepare([src], "char", out)
+    release = _hold_lock(out)
+    t, done = _in_thread(lambda: prepare([src], "char", out, reuse=True))
     release.set()
-    second.join(60)
-    assert done and load_meta(out) == done[0]
+    t.join(60)
+    assert done == [first]  # the same store: not prepared again
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    release = _hold_lock(gone)
+    t, done = _in_thread(lambda: prepare([src], "char", gone))
+    shutil.rmtree(gone)  # while the lock is held and the second run waits on it
+    release.set()
+    t.join(60)
+    assert done and load_meta(gone) == done[0]
+
+
+def test_a_filesystem_without_locks_prepares_with_a_note(tmp_path, monkeypatch, capsys):
+    """Lustre without -o flock or some NFS mounts refuse flock (ENOSYS, ENOLCK, ...): the
+    preparation goes on without the lock, and says so."""
+    import errno
+    import fcntl
+    monkeypatch.setattr(fcntl, "flock", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSYS, "Not supported")))
+    meta = prepare([write(tmp_path / "a.txt", SHAKESPEARE[:3000])], "char", tmp_path / "out")
+    assert load_meta(tmp_path / "out") == meta and "has no file locks" in capsys.readouterr().err
 
 
 def test_edited_indexes_cannot_delete_or_hang(tmp_path):
