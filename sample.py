@@ -52,7 +52,6 @@ def main(argv: Sequence[str]) -> int:
     from gpt.checkpoint import load_model
     from gpt.runtime import decoding_dtype, prepare_process
     prepare_process()
-    from gpt.sampling import rolls
 
     cfg.dtype = decoding_dtype(cfg.dtype)
     model, meta, tok = load_model(cfg.out_dir, cfg.dtype)
@@ -69,12 +68,8 @@ def main(argv: Sequence[str]) -> int:
                             f"tokens); use at most {model.cfg.vocab_size}, or 0 to disable")
         cfg.top_k = 0  # the default (200) keeps the whole of a small vocabulary
     prompt = read_prompt(cfg, tok)
-    if len(prompt) + cfg.max_new_tokens > model.cfg.block_size:
-        how = "a rolling KV cache" if rolls(model.cfg) else "recomputed windows, as nanoGPT does" + \
-            ("; the draft stops proposing there" if draft is not None else "")
-        print(f"note: prompt + new tokens ({len(prompt) + cfg.max_new_tokens}) exceed block_size "
-              f"{model.cfg.block_size}; each token attends to the last {model.cfg.block_size} "
-              f"({how})", file=sys.stderr)
+    for note in length_notes(len(prompt) + cfg.max_new_tokens, model, draft, cfg.num_draft_tokens):
+        print(f"note: {note}", file=sys.stderr)
     sampler = make_sampler(cfg, model, draft, tok)
     state = sampler.start([prompt] * cfg.num_samples, jax.random.key(cfg.seed))
     texts = lambda state: row_texts(sampler, state, prompt, tok, cfg)
@@ -90,6 +85,26 @@ def main(argv: Sequence[str]) -> int:
         print(f"note: speculative decoding: the target kept {100 * stats['acceptance_rate']:.0f}% of "
               f"the draft's {stats['drafted']} tokens", file=sys.stderr)
     return 0
+
+
+def length_notes(total: int, model, draft, k: int) -> list[str]:
+    """What happens past block_size for `total` tokens (prompt + new): the target's window, and
+    with a draft, where speculative rounds stop. A round writes k + 1 tokens into each model's
+    cache; one with learned or sinusoidal positions cannot roll its cache, so once a round no
+    longer fits either model's block_size the target decodes alone (gpt/speculative.py)."""
+    from gpt.sampling import rolls
+    notes, bs = [], model.cfg.block_size
+    if total > bs:
+        how = "a rolling KV cache" if rolls(model.cfg) else "recomputed windows, as nanoGPT does"
+        notes.append(f"prompt + new tokens ({total}) exceed block_size {bs}; each token attends to the last "
+                     f"{bs} ({how})")
+    fixed = [(m.cfg.block_size, name) for m, name in ((model, "target"), (draft, "draft"))
+             if m is not None and not rolls(m.cfg)]
+    if draft is not None and fixed and total > min(fixed)[0] - k:
+        limit, name = min(fixed)
+        notes.append(f"speculative rounds stop after about {limit - k} tokens (the {name}'s block_size {limit} "
+                     f"less {k} drafted: its positions cannot roll); the target decodes alone from there")
+    return notes
 
 
 def make_sampler(cfg, model, draft, tok):

@@ -755,6 +755,9 @@ def main(argv: Sequence[str]) -> int:
                    workers=args.workers, text_field=args.text_field, skip_bad_records=args.skip_bad_records,
                    shard_tokens=args.shard_tokens, append=args.append)
     print(_summary(args, meta, time.perf_counter() - t0))
+    if args.text_field != "text" and all(src["format"] in ("txt", "txt.gz") for src in meta["sources"]):
+        print(f"warning: --text_field={args.text_field} was not used: every input is plain text (it names the "
+              f"field of .jsonl/.json records or a .parquet column)", file=sys.stderr)
     return 0
 
 

@@ -337,6 +337,16 @@ def test_cli_prepares(tmp_path):
                         "--out_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "train" in r.stdout and "MB/s" in r.stdout and load_meta(tmp_path / "out")["vocab_size"] == 50257
+    assert "warning" not in r.stderr
+
+
+def test_cli_says_when_text_field_reads_nothing(tmp_path, capsys):
+    """--text_field names a record's field; given with plain text inputs only it does nothing,
+    which the command says (it was silently ignored)."""
+    src = write(tmp_path / "a.txt", SHAKESPEARE[:5000])
+    assert data.main(["--input", str(src), "--tokenizer", "char", "--out_dir", str(tmp_path / "out"),
+                      "--text_field", "body"]) == 0
+    assert "warning: --text_field=body was not used: every input is plain text" in capsys.readouterr().err
 
 
 # ----- record and compressed formats (.txt.gz, .jsonl, .jsonl.gz, .parquet)

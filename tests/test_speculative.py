@@ -345,3 +345,21 @@ def test_cli_bad_draft_is_one_line(dirs, capsys, flags, needle):
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     if "other_tok" in flags[0]:
         assert str(dirs / "other_tok") in err[0] and str(dirs / "target") in err[0]
+
+
+def test_notes_say_where_speculative_rounds_stop():
+    """sample.py's notes past block_size: the target's window, and where speculative rounds stop,
+    which is set by whichever model cannot roll its cache (the draft's limits said nothing before)."""
+    import sys
+    from types import SimpleNamespace
+    sys.path.insert(0, str(REPO))
+    from sample import length_notes
+    model = lambda bs, pos: SimpleNamespace(cfg=SimpleNamespace(block_size=bs, pos_embedding=pos))  # noqa: E731
+    rope32, learned16, learned32 = model(32, "rope"), model(16, "learned"), model(32, "learned")
+    assert length_notes(20, rope32, None, 4) == []
+    notes = length_notes(31, rope32, learned16, 4)  # within the target's 32, past the draft's 16 - 4
+    assert len(notes) == 1 and "after about 12 tokens (the draft's block_size 16" in notes[0]
+    notes = length_notes(40, learned32, model(64, "rope"), 4)
+    assert "recomputed windows" in notes[0] and "the target's block_size 32" in notes[1]
+    assert "rolling KV cache" in length_notes(40, rope32, model(64, "rope"), 4)[0]
+    assert len(length_notes(40, rope32, model(64, "rope"), 4)) == 1  # both roll: rounds never stop
