@@ -391,6 +391,9 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
     if nonempty and not (dest / CONFIG_FILE).is_file():
         raise UserError(f"{dest} is not empty and holds no config.json, so it does not look like a "
                         f"model directory; refusing to replace it, choose another --hf_dir")
+    if (dest / "checkpoints").exists():  # a model converted in place: replacing it would delete them
+        raise UserError(f"{dest} holds checkpoints/ (a training or conversion output); refusing to replace "
+                        f"it, choose another --hf_dir")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     try:
@@ -422,6 +425,11 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
     from gpt import checkpoint as ckpt
 
     out = Path(out_dir)
+    for d in (out, *out.parents):
+        if d.exists() and not d.is_dir():
+            raise UserError(f"--out_dir {out}: {d} is a file, not a folder; choose another --out_dir")
+    if out.absolute() == Path(hf_dir).absolute():
+        raise UserError(f"--out_dir is the Hugging Face directory {out} itself; choose another --out_dir")
     ckpt.settle_aside(out, out.absolute() / ckpt.ASIDE)  # an earlier --overwrite that died first
     steps = ckpt.list_steps(out)
     if ckpt.foreign_entries(out):
@@ -435,7 +443,7 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
                             "config": {"model": to_dict(cfg), "train": {}},
                             "source": str(Path(hf_dir).absolute()),
                             "hf_model_type": _read_hf_config(Path(hf_dir) / CONFIG_FILE).get("model_type")}
-    tokenizer = _hf_dir_tokenizer(Path(hf_dir), cfg)
+    tokenizer = hf_dir_tokenizer(Path(hf_dir), cfg)
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer[0]
     else:
@@ -460,14 +468,15 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
             f"vocab {cfg.vocab_size}) to {ckpt.checkpoint_dir(out)}/0")
 
 
-def _hf_dir_tokenizer(hf_dir: Path, cfg) -> tuple[dict, bytes | None] | None:
+def hf_dir_tokenizer(hf_dir: Path, cfg) -> tuple[dict, bytes | None] | None:
     """(spec, tokenizer.json bytes to copy) for a Hugging Face model directory: GPT-2's tokenizer
-    (our bundled tiktoken copy) for a GPT-2 model, else its tokenizer.json with the model's BOS/EOS
-    ids and its prompt template, else None. Validated here; nothing is written."""
+    (our bundled tiktoken copy) for a GPT-2 model of GPT-2's vocabulary, else its tokenizer.json
+    with the model's BOS/EOS ids and its prompt template (a GPT-2-architecture model of another
+    vocabulary too), else None. Validated here; nothing is written."""
     from gpt.tokenizer import HF_FILE, gpt2_tokenizer, hf_spec, hf_tokenizer, warn_if_no_eos
 
-    if not is_llama_family(cfg):
-        return (gpt2_tokenizer().spec, None) if cfg.vocab_size == GPT2_VOCAB else None
+    if not is_llama_family(cfg) and cfg.vocab_size == GPT2_VOCAB:
+        return gpt2_tokenizer().spec, None
     path = hf_dir / HF_FILE
     if not path.exists():
         return None

@@ -290,10 +290,11 @@ def read_base(src: str | Path, step: int | None = None) -> Base:
     from gpt import checkpoint as ckpt
     src = Path(src).absolute()
     if is_hf_dir(src):
-        from gpt.convert import load_hf
+        from gpt.convert import hf_dir_tokenizer, load_hf
         cfg, params = load_hf(src)
+        tokenizer = hf_dir_tokenizer(src, cfg)  # what the data must be tokenized with (check_tokenizer)
         return Base(cfg, params, {"kind": "hf", "path": str(src), "step": None,
-                                  "sha256": params_sha256(params)}, None)
+                                  "sha256": params_sha256(params)}, tokenizer and tokenizer[0])
     _, meta = ckpt.read_meta(src, step)
     if "lora" in meta:
         raise UserError(f"{src} is a LoRA run; fine-tune its merged weights: python -m gpt.convert "

@@ -251,6 +251,11 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
     out = Path(t.out_dir)
     if t.init_from == "resume" and t.overwrite:
         raise UserError("--overwrite starts over and --init_from=resume continues: pass one of them")
+    if t.init_from not in ("scratch", "resume", "gpt2") and Path(t.init_from).resolve() == out.resolve():
+        # the run would replace the weights it starts from (a LoRA run keeps only its adapters and
+        # points at its base, which would be gone)
+        raise UserError(f"--init_from and --out_dir are both {out}: the run would write over the model it "
+                        f"starts from; pick another --out_dir")
     if sharding.is_main_process():  # an --overwrite run that died before saving: old run back
         ckpt.settle_aside(out, out.absolute() / ckpt.ASIDE)
     meta_ck = None

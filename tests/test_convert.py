@@ -164,6 +164,10 @@ def _bad_dirs(root: Path, good: Path) -> dict[str, tuple[list[str], str]]:
     cases["to_hf_no_checkpoint"] = (["--to_hf", "--out_dir", str(root / "empty_out"),
                                      "--hf_dir", str(root / "x")], "no checkpoint")
     cases["bad_flag"] = (["--from_hf", str(good), "--bogus"], "unrecognized")
+    (root / "a_file").write_text("not a folder")
+    cases["out_dir_a_file"] = (["--from_hf", str(good), "--out_dir", str(root / "a_file" / "sub")],
+                               "is a file, not a folder")
+    cases["out_dir_is_hf_dir"] = (["--from_hf", str(good), "--out_dir", str(good)], "Hugging Face directory")
     return cases
 
 

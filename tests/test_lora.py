@@ -331,6 +331,25 @@ def test_data_must_use_the_bases_tokenizer(tmp_path, bases):
     prepare([str(tmp_path / "t.txt")], "char", tmp_path / "d")
     with pytest.raises(UserError, match=r"tokenized with char \(4 tokens\) but the base model .* with char"):
         lora_setup(tmp_path / "o", tmp_path / "d", bases / "gpt2")
+    # a Hugging Face directory as the base (--init_from=gpt2 is one): its tokenizer is checked too
+    # (it was skipped, and GPT-2 trained on char ids)
+    import transformers
+    hf = tmp_path / "hf_gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=64, n_embd=16, n_layer=1, n_head=2)) \
+        .save_pretrained(hf, safe_serialization=True)
+    with pytest.raises(UserError, match=r"tokenized with char \(4 tokens\) but .*hf_gpt2 with gpt2 .*--tokenizer=gpt2"):
+        lora_setup(tmp_path / "o", tmp_path / "d", hf)
+
+
+def test_a_run_cannot_write_over_its_own_starting_point(tmp_path, char_data, bases):
+    """--init_from and --out_dir the same folder: with --overwrite a LoRA run would set aside (then
+    delete) the base it points at, leaving adapters that can never load; refused at once."""
+    base = tmp_path / "base"
+    shutil.copytree(bases / "gpt2", base)
+    for extra in ((), ("--overwrite",)):
+        with pytest.raises(UserError, match="--init_from and --out_dir are both"):
+            lora_setup(base, char_data, base, *extra)
+    assert ckpt.list_steps(base) == ckpt.list_steps(bases / "gpt2")
 
 
 # ----------------------------------------------------------------------------- meshes
