@@ -184,7 +184,7 @@ def _open_weights(d: Path) -> dict[str, Any]:
     if (d / WEIGHTS_FILE).is_file():
         files = [d / WEIGHTS_FILE]
     elif (d / INDEX_FILE).is_file():
-        index = _read_hf_config(d / INDEX_FILE)
+        index = read_json_object(d / INDEX_FILE, "a safetensors index (model.safetensors.index.json)")
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
             raise UserError(f"{d / INDEX_FILE} has no weight_map (not a safetensors index)")
@@ -205,7 +205,7 @@ def _open_weights(d: Path) -> dict[str, Any]:
                 f"{d} has no {WEIGHTS_FILE}, only {', '.join(pickles[:3])}: pickle and other non-safetensors "
                 f"files are not read "
                 f"(loading them can run arbitrary code); make safetensors in a trusted environment with "
-                f"GPT2LMHeadModel.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True) "
+                f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True) "
                 f"or download model.safetensors from the Hub")
         raise UserError(f"{d} has no {WEIGHTS_FILE}; download the model's safetensors weights "
                         f"(config.json + model.safetensors)")
