@@ -96,7 +96,8 @@ def list_steps(out_dir: str | Path) -> list[int]:
     d = checkpoint_dir(out_dir)
     if not d.is_dir():
         return []
-    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isascii() and p.name.isdigit())
+    return sorted(int(p.name) for p in d.iterdir()
+                  if p.is_dir() and p.name.isascii() and p.name.isdigit())  # int("²") fails
 
 
 class Checkpointer:

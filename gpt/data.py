@@ -230,14 +230,12 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
     sources = make_sources(files)
     if sum(s.size for s in sources) == 0:
         raise UserError(f"the corpus is empty ({len(sources)} file(s), 0 bytes); pass non-empty text files")
-    rule = split_rule(sources, reading, val_fraction, val_documents)
     key = cache_key(files, settings if old is not None else
                     dataclasses.replace(settings, tokenizer=identity(tokenizer)))
     created = _make_out_dir(out_dir)
     with _one_at_a_time(out_dir):
         done = _prepared(out_dir) if reuse else None
-        return done or _prepare_locked(out_dir, created, key, sources, reading, rule, settings, old, workers,
-                                       backend)
+        return done or _prepare_locked(out_dir, created, key, sources, reading, settings, old, workers, backend)
 
 
 def _prepared(out_dir: Path) -> dict | None:
@@ -251,11 +249,13 @@ def _prepared(out_dir: Path) -> dict | None:
 
 
 def _prepare_locked(out_dir: Path, created: bool, key: str, sources: list[Source], reading: Reading,
-                    rule: SplitRule, settings: Settings, old: dict | None, workers: int, backend: str) -> dict:
-    """`prepare`'s work with out_dir's lock held: stage (or resume), tokenize, check, publish."""
+                    settings: Settings, old: dict | None, workers: int, backend: str) -> dict:
+    """`prepare`'s work with out_dir's lock held (so a run that finds it done reads no corpus):
+    the split rule, stage (or resume), tokenize, check, publish."""
     keep = False  # keep the staging dir for a resume: not after bad input, which must be fixed first
     stage = out_dir / f".prepare-{key[:16]}"
     try:
+        rule = split_rule(sources, reading, settings.val_fraction, settings.val_documents)
         progress = _stage(out_dir, stage, key)
         meta = _prepare_in(stage, sources, reading, rule, settings, old, progress, workers, backend, out_dir)
         _check_splits(meta, settings)
@@ -676,8 +676,8 @@ def cache_key(files: list[Path], settings: Settings) -> str:
     for f in files:
         st = f.stat()
         items.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
-    blob = json.dumps({"format_version": FORMAT_VERSION, "reader": READER_VERSION, **dataclasses.asdict(settings),
-                       "sources": items}, sort_keys=True)
+    blob = json.dumps({"format_version": FORMAT_VERSION, "reader": READER_VERSION,
+                       **dataclasses.asdict(settings), "sources": items}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-from contextlib import contextmanager
 import re
 import sys
 import traceback
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 
