@@ -110,7 +110,7 @@ def length_notes(total: int, model, draft, k: int) -> list[str]:
 def make_sampler(cfg, model, draft, tok):
     """The plain sampler, or with a draft the speculative one (same interface)."""
     from gpt.sampling import Sampler, settings_from
-    settings = settings_from(cfg, tok.eot_id)
+    settings = settings_from(cfg, tok.eot_id, tok.stop_ids)
     if draft is None:
         return Sampler(model, settings)
     from gpt.speculative import SpeculativeSampler
@@ -119,9 +119,9 @@ def make_sampler(cfg, model, draft, tok):
 
 def row_texts(sampler, state, prompt: list[int], tok, cfg) -> list[tuple[str, bool]]:
     """Each row's new text, cut at a stop string or end-of-text, and whether it has ended."""
-    out = []
+    out, ends = [], sampler.settings.end_ids
     for row in sampler.new_tokens(state, [prompt] * cfg.num_samples):
-        ended = tok.eot_id is not None and bool(row) and row[-1] == tok.eot_id
+        ended = bool(row) and row[-1] in ends
         text = continuation(tok, prompt, row[:-1] if ended else row)
         cut = min((text.find(s) for s in cfg.stop if s in text), default=-1)
         out.append((text[:cut], True) if cut >= 0 else (text, ended))

@@ -50,6 +50,6 @@ def full_recompute_generate(model: GPT, prompt: list[int], key: jax.Array, s: Sa
         key, sub = jax.random.split(key)
         tok = int(sample_token(sub, last_logits(params, ctx_BT, len(ctx) - 1), s)[0])
         ids.append(tok)
-        if s.eot_id is not None and tok == s.eot_id:
+        if tok in s.end_ids:
             break
     return ids[len(prompt):]

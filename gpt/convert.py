@@ -361,9 +361,11 @@ def hf_tensors(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray
 
 def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_id: Any = _UNSET,
           dropout: float = 0.0, overwrite: bool = False, source_type: str | None = None,
-          bos_id: int | None = None, files: dict[str, bytes] | None = None) -> Path:
+          bos_id: int | None = None, stop_ids: Sequence[int] = (),
+          files: dict[str, bytes] | None = None) -> Path:
     """Write `config.json` + `model.safetensors` loadable by AutoModelForCausalLM.from_pretrained:
     GPT2LMHeadModel, or for the modern block Llama/Qwen2/Qwen3 (Mistral if it came from one).
+    `stop_ids`: the model's other EOS ids, written after eot_id as the config's list of them.
     `files`: more files to write beside them (the tokenizer.json a converted model came with).
 
     The directory appears complete or not at all: both files are written into a temporary sibling
@@ -381,6 +383,8 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
                                  eos)
     else:
         tensors, config = hf_tensors(params, cfg), hf_config(cfg, eot_id, dropout)
+    if stop_ids:
+        config["eos_token_id"] = [config["eos_token_id"], *stop_ids]
     dest = Path(hf_dir).absolute()
     if dest.exists() and not dest.is_dir():
         raise UserError(f"{dest} exists and is not a directory; pass a new --hf_dir")
@@ -512,13 +516,14 @@ def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool
     tok = meta.get("tokenizer")
     eot = tok.get("eot_id") if isinstance(tok, dict) and "eot_id" in tok else _UNSET
     source = meta.get("hf_model_type") if isinstance(meta.get("hf_model_type"), str) else None
-    files, bos = {}, None
+    files, bos, stops = {}, None, ()
     if isinstance(tok, dict) and tok.get("kind") == "hf":  # its tokenizer.json goes along
         from gpt.tokenizer import HF_FILE, load_tokenizer
         hf_tok = load_tokenizer(tok, out_dir)  # checks the file against the recorded sha256
-        bos, files[HF_FILE] = hf_tok.bos_id, (Path(out_dir) / hf_tok.files()[0]).read_bytes()
+        bos, stops = hf_tok.bos_id, hf_tok.stop_ids
+        files[HF_FILE] = (Path(out_dir) / hf_tok.files()[0]).read_bytes()
     dest = to_hf(params, cfg, hf_dir, eot_id=eot, dropout=dropout, overwrite=overwrite,
-                 source_type=source, bos_id=bos, files=files)
+                 source_type=source, bos_id=bos, stop_ids=stops, files=files)
     return f"exported step {step} of {out_dir} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, " \
            f"vocab {cfg.vocab_size}) to {dest}"
 

@@ -33,6 +33,16 @@ class SamplingSettings:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     eot_id: int | None = None  # generation of a row stops after it emits this token
+    stop_ids: tuple[int, ...] = ()  # more ids that end a row (a model's other EOS ids); need eot_id
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """Every id that ends a row; the first (eot_id) also fills the row after its end."""
+        return () if self.eot_id is None else (self.eot_id, *self.stop_ids)
+
+    def ends(self, tok: jax.Array) -> jax.Array:
+        """Where `tok` holds an id that ends a row (all False without an eot_id)."""
+        return jnp.isin(tok, jnp.array(self.end_ids, jnp.int32)) if self.end_ids else jnp.zeros(tok.shape, bool)
 
 
 # ----------------------------------------------------------------------------- filters
@@ -148,9 +158,7 @@ def decode(model: GPT, state: DecodeState, n_steps: int, s: SamplingSettings) ->
         tok_B = sample_token(sub, st.next_logits_BV, s)
         if s.eot_id is not None:
             tok_B = jnp.where(st.done_B, s.eot_id, tok_B)
-            done_B = st.done_B | (tok_B == s.eot_id)
-        else:
-            done_B = st.done_B
+        done_B = st.done_B | s.ends(tok_B)
         tokens_BN = jax.lax.dynamic_update_slice(st.tokens_BN, tok_B[:, None], (0, st.pos))
 
         def cached(_):
@@ -234,10 +242,9 @@ class Sampler:
         P = max(len(p) for p in prompts)
         out = []
         tokens_BN, pos = jax.device_get((state.tokens_BN, state.pos))
+        ends = set(self.settings.end_ids)
         for row in tokens_BN[:, P:int(pos)].tolist():
-            if self.settings.eot_id is not None and self.settings.eot_id in row:
-                row = row[:row.index(self.settings.eot_id) + 1]
-            out.append(row)
+            out.append(row[:next((i + 1 for i, t in enumerate(row) if t in ends), len(row))])
         return out
 
 
@@ -258,7 +265,7 @@ def with_decode_kernels(model: GPT, rows: int, speculative: bool, backend: str) 
     return out
 
 
-def settings_from(cfg: Any, eot_id: int | None) -> SamplingSettings:
+def settings_from(cfg: Any, eot_id: int | None, stop_ids: tuple[int, ...] = ()) -> SamplingSettings:
     """SamplingSettings from a SampleConfig (top_k beyond the vocabulary is checked by the caller)."""
     return SamplingSettings(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                            top_k=cfg.top_k, top_p=cfg.top_p, eot_id=eot_id)
+                            top_k=cfg.top_k, top_p=cfg.top_p, eot_id=eot_id, stop_ids=tuple(stop_ids))

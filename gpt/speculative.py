@@ -170,17 +170,15 @@ def propose(draft: GPT, st: SpecState, key: jax.Array, s: SamplingSettings, k: i
 
 
 def emit(st: SpecState, new_BT: jax.Array, count_B: jax.Array, active_B: jax.Array,
-         eot_id: int | None) -> tuple[SpecState, jax.Array]:
-    """Append the first count_B of new_BT to each active row, cut after an end-of-text token;
+         s: SamplingSettings) -> tuple[SpecState, jax.Array]:
+    """Append the first count_B of new_BT to each active row, cut after a token that ends a row;
     returns the state and how many tokens each row took."""
     T = new_BT.shape[1]
     j_T = jnp.arange(T)
-    done_B = st.done_B
-    if eot_id is not None:
-        is_eot_BT = (new_BT == eot_id) & (j_T < count_B[:, None])
-        hit_B = is_eot_BT.any(axis=1) & active_B
-        count_B = jnp.where(hit_B, jnp.argmax(is_eot_BT, axis=1) + 1, count_B)
-        done_B = done_B | hit_B
+    ends_BT = s.ends(new_BT) & (j_T < count_B[:, None])
+    hit_B = ends_BT.any(axis=1) & active_B
+    count_B = jnp.where(hit_B, jnp.argmax(ends_BT, axis=1) + 1, count_B)
+    done_B = st.done_B | hit_B
     count_B = jnp.where(active_B, count_B, 0)
     N = st.tokens_BN.shape[1]
     at_BT = jnp.where(active_B[:, None], st.length_B[:, None] + j_T, N)  # N: dropped
@@ -198,7 +196,7 @@ def speculative_round(target: GPT, draft: GPT, st: SpecState, active_B: jax.Arra
     kept_B, next_B = verify(key_verify, p_logits_BTV, q_logits_BKV, draft_BK, s)
     new_BT = jnp.where(jnp.arange(k + 1) < kept_B[:, None], jnp.pad(draft_BK, ((0, 0), (0, 1))),
                        next_B[:, None])  # the kept proposals, then the target's token
-    st, count_B = emit(st, new_BT, kept_B + 1, active_B, s.eot_id)
+    st, count_B = emit(st, new_BT, kept_B + 1, active_B, s)
     return st._replace(target=keep(target_cache, st.target, count_B),
                        draft=keep(draft_cache, st.draft, count_B), key=key,
                        drafted_B=st.drafted_B + jnp.where(active_B, k, 0),
@@ -230,7 +228,7 @@ def target_step(target: GPT, st: SpecState, active_B: jax.Array, s: SamplingSett
     else:
         logits_BV = window_logits(target, st)
     new_st, count_B = emit(st, sample_token(sub, logits_BV, s)[:, None], jnp.ones_like(st.length_B),
-                           active_B, s.eot_id)
+                           active_B, s)
     cache = keep(written, st.target, count_B) if rolls(target.cfg) else st.target
     return new_st._replace(target=cache, key=key, rounds=st.rounds + 1)
 

@@ -56,11 +56,14 @@ class Tokenizer:
         vocab_size: number of ids, specials included (ids are 0 .. vocab_size-1).
         eot_id: id of the end-of-text token that separates documents, or None (char, or a Hugging
             Face tokenizer whose model names no EOS).
+        stop_ids: a model's other EOS ids, which end generation as eot_id does but never separate
+            documents (Llama 3 Instruct's <|eot_id|>, Qwen's <|endoftext|> beside <|im_end|>).
         spec: JSON-serialisable description; `load_tokenizer(spec, base_dir)` rebuilds it.
     """
 
     vocab_size: int
     eot_id: int | None
+    stop_ids: tuple[int, ...] = ()
     spec: dict
 
     def encode(self, text: str) -> list[int]:
@@ -190,7 +193,7 @@ class HFTokenizer(Tokenizer):
         self.hf, self.prompt_hf = text_hf, prompt_hf
         self.spec = spec
         self.vocab_size, self.eot_id = spec["vocab_size"], spec.get("eot_id")
-        self.bos_id = spec.get("bos_id")
+        self.bos_id, self.stop_ids = spec.get("bos_id"), tuple(spec.get("stop_ids", ()))
         self._files = list(files)
 
     def encode(self, text: str) -> list[int]:
@@ -521,22 +524,32 @@ def _json_file(path: Path) -> dict:
     return read_json_object(path, "a Hugging Face config beside the tokenizer") if path.is_file() else {}
 
 
-def special_ids(model_dir: Path, hf) -> dict[str, int | None]:
-    """The model's BOS and EOS ids: generation_config.json, then config.json (a list of EOS ids:
-    the first), then tokenizer_config.json's token strings; None where none says."""
-    out: dict[str, int | None] = {"bos_id": None, "eot_id": None}
+def _token_ids(value: object) -> list[int]:
+    """A config's token id field (one id or a list of them) as a list; [] if it holds none."""
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+MAX_STOP_IDS = 64
+
+
+def special_ids(model_dir: Path, hf) -> dict:
+    """The model's BOS and EOS ids: generation_config.json, then config.json, then
+    tokenizer_config.json's token strings; None where none says. Of a list of EOS ids the first
+    separates documents (eot_id) and the others also end generation (stop_ids, only if any), as
+    `transformers`' generate stops at every id of the list."""
+    out: dict = {"bos_id": None, "eot_id": None}
     tok_cfg = _json_file(model_dir / "tokenizer_config.json")
+    configs = (_json_file(model_dir / "generation_config.json"), _json_file(model_dir / "config.json"))
     for key, hf_key in (("bos_id", "bos"), ("eot_id", "eos")):
-        for cfg in (_json_file(model_dir / "generation_config.json"), _json_file(model_dir / "config.json")):
-            v = cfg.get(f"{hf_key}_token_id")
-            v = v[0] if isinstance(v, list) and v else v
-            if isinstance(v, int) and not isinstance(v, bool):
-                out[key] = v
-                break
-        else:
+        ids = next((found for cfg in configs if (found := _token_ids(cfg.get(f"{hf_key}_token_id")))), [])
+        if not ids:
             token = tok_cfg.get(f"{hf_key}_token")
             token = token.get("content") if isinstance(token, dict) else token
-            out[key] = hf.token_to_id(token) if isinstance(token, str) else None
+            ids = _token_ids(hf.token_to_id(token)) if isinstance(token, str) else []
+        out[key] = ids[0] if ids else None
+        if key == "eot_id" and len(set(ids)) > 1:
+            out["stop_ids"] = list(dict.fromkeys(i for i in ids if i != ids[0]))
     return out
 
 
@@ -558,6 +571,13 @@ def hf_tokenizer(data: bytes, hf, spec: dict, where: Path) -> HFTokenizer:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < spec["vocab_size"]):
             raise UserError(f"{key}={v!r} recorded for tokenizer {where} is not an id of its "
                             f"{spec['vocab_size']}-token vocabulary; fix the config files beside it")
+    stops = spec.get("stop_ids", [])
+    valid = isinstance(stops, list) and _token_ids(stops) == stops and len(stops) <= MAX_STOP_IDS
+    valid = valid and all(0 <= v < spec["vocab_size"] for v in stops)
+    if not valid or (stops and spec.get("eot_id") is None):
+        raise UserError(f"EOS ids {stops!r} recorded for tokenizer {where} are not a list of at most "
+                        f"{MAX_STOP_IDS} ids of its {spec['vocab_size']}-token vocabulary beside an eot_id; "
+                        f"fix the config files beside it")
     hf.encode_special_tokens = True  # corpus text that looks like a special token stays text
     return HFTokenizer(hf, HFTok.from_str(data.decode("utf-8")), spec, files=[spec["file"]])
 

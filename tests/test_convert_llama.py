@@ -124,22 +124,28 @@ def test_unsupported_configs_are_one_clear_error(tmp_path, kw, match):
 
 def test_converted_dir_samples_with_its_tokenizer(tmp_path, capsys):
     """A Hugging Face directory with tokenizer.json: sample.py needs no flags, its prompt ids and
-    greedy text equal transformers' (tokenizer template with BOS, generate), the tokenizer goes
-    back out with --to_hf, and a run past block_size rolls the RoPE cache."""
+    greedy text equal transformers' (tokenizer template with BOS, generate stopping at any of the
+    model's EOS ids), the tokenizer and the EOS list go back out with --to_hf, and a run past
+    block_size rolls the RoPE cache."""
     import sample
     src, out, dst = tmp_path / "hf", tmp_path / "ours", tmp_path / "hf2"
     model = make_hf(src, "llama-gqa", seed=2)
     make_hf_tokenizer(src)
-    (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    assert convert.main(["--from_hf", str(src), "--out_dir", str(out)]) == 0
-    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
-
     ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(src / "tokenizer.json"))
     ids = ref("ROMEO: so")["input_ids"]
     with torch.no_grad():
-        gen = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=2,
+        free = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)[0, len(ids):].tolist()
+    stop = next(t for t in free[3:] if t not in free[:3] and t != 2)  # a second EOS id it emits
+    (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, stop]}))
+    assert convert.main(["--from_hf", str(src), "--out_dir", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=[2, stop],
                              pad_token_id=0)[0, len(ids):].tolist()
-    want = ref.decode(ids + gen[:gen.index(2)] if 2 in gen else ids + gen, skip_special_tokens=True)
+    assert gen == free[:free.index(stop) + 1]
+    want = ref.decode(ids + gen[:-1], skip_special_tokens=True)
     capsys.readouterr()
     assert sample.main([f"--out_dir={out}", "--prompt=ROMEO: so", "--temperature=0",
                         "--max_new_tokens=12"]) == 0
@@ -150,7 +156,7 @@ def test_converted_dir_samples_with_its_tokenizer(tmp_path, capsys):
     assert convert.main(["--to_hf", "--out_dir", str(out), "--hf_dir", str(dst)]) == 0
     assert (dst / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     config = json.loads((dst / "config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, [2, stop])
 
 
 def test_hf_tokenizer_bad_input_writes_nothing(tmp_path, monkeypatch):

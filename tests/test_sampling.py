@@ -220,6 +220,24 @@ def test_stops_after_eot(model):
     assert out[-1] == eot and out == free[:free.index(eot) + 1]
 
 
+def test_any_eos_id_ends_a_row(model):
+    """A model's other EOS ids (stop_ids) end a row as eot does; eot_id fills the row after."""
+    prompts = [[5, 6, 7], [40, 2]]
+    free = Sampler(model, greedy(12)).generate(prompts, jax.random.key(0))
+    end = free[0][-1]  # row 0's last token: it ends there, after others; row 1 never emits it
+    assert free[0].index(end) > 0 and end not in free[1]
+    unused = min(set(range(65)) - set(free[0]) - set(free[1]))
+    s = SamplingSettings(max_new_tokens=12, temperature=0.0, eot_id=unused, stop_ids=(end,))
+    assert s.end_ids == (unused, end)
+    out = Sampler(model, s, chunk=5).generate(prompts, jax.random.key(0))
+    for row, want in zip(out, free):
+        assert row == (want[:want.index(end) + 1] if end in want else want)
+    prompt_BP, start_B = left_pad(prompts)
+    tokens = np.asarray(generate(model, prompt_BP, jax.random.key(0), s, start_B))[0, 3:]
+    n = free[0].index(end) + 1
+    assert tokens.tolist() == free[0][:n] + [unused] * (12 - n)  # filled with eot after the end
+
+
 def test_generate_is_usable_inside_jit(model):
     gd, params = nnx.split(model)
     prompt, start = left_pad([[1, 2, 3], [4]])

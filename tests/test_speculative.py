@@ -19,8 +19,8 @@ from gpt.speculative import (SpeculativeSampler, generate_speculative, output_to
 PROMPTS = [[5], [12, 40, 7, 3, 33], [int(x) for x in np.random.default_rng(0).integers(0, 65, 17)]]
 
 
-def greedy(n, eot=None):
-    return SamplingSettings(max_new_tokens=n, temperature=0.0, eot_id=eot)
+def greedy(n, eot=None, stops=()):
+    return SamplingSettings(max_new_tokens=n, temperature=0.0, eot_id=eot, stop_ids=stops)
 
 
 def perturbed(model: GPT, scale: float, seed: int = 1) -> GPT:
@@ -44,9 +44,9 @@ def run(target, draft, prompts, s, k, key=jax.random.key(0)):
     return jax.jit(lambda p, b, key: speculate(target, draft, p, key, s, k, b))(prompt_BP, start_B, key)
 
 
-def plain_greedy(target, prompts, n, eot=None) -> np.ndarray:
+def plain_greedy(target, prompts, n, eot=None, stops=()) -> np.ndarray:
     """The target's own greedy output (plain cached decoding, left-padded layout)."""
-    f = jax.jit(lambda p, b: generate(target, p, jax.random.key(0), greedy(n, eot), b))
+    f = jax.jit(lambda p, b: generate(target, p, jax.random.key(0), greedy(n, eot, stops), b))
     return np.asarray(f(*left_pad(prompts)))
 
 
@@ -97,18 +97,22 @@ def test_greedy_rope_rolls_past_block_size():
     np.testing.assert_array_equal(np.asarray(output_tokens(st, None, 3)[:, 1:]), plain_greedy(target, prompts, 40))
 
 
-def test_end_of_text_ends_a_row(pair, greedy_64):
-    """A row ends after the end-of-text token, and the output repeats it, as plain decoding does."""
+@pytest.mark.parametrize("as_stop_id", [False, True])
+def test_end_of_text_ends_a_row(pair, greedy_64, as_stop_id):
+    """A row ends after the end-of-text token, or after one of a model's other EOS ids, and the
+    output repeats end-of-text after it, as plain decoding does."""
     target, draft = pair
     P = greedy_64.shape[1] - 64
-    eot = int(greedy_64[1, P + 4])  # the token the second row emits fifth
-    st = run(target, draft, PROMPTS, greedy(30, eot), 4)
-    want = plain_greedy(target, PROMPTS, 30, eot)
+    end = int(greedy_64[1, P + 4])  # the token the second row emits fifth
+    unused = min(set(range(65)) - set(greedy_64[:, P:P + 30].ravel().tolist()))
+    eot, stops = (unused, (end,)) if as_stop_id else (end, ())
+    st = run(target, draft, PROMPTS, greedy(30, eot, stops), 4)
+    want = plain_greedy(target, PROMPTS, 30, eot, stops)
     np.testing.assert_array_equal(np.asarray(output_tokens(st, eot, 4)[:, 1:]), want)
-    rows = SpeculativeSampler(target, draft, greedy(30, eot), 4).new_tokens(st, PROMPTS)
-    assert rows[1][-1] == eot and len(rows[1]) <= 5 and bool(st.done_B[1])
-    for row, full in zip(rows, want[:, P:].tolist()):
-        assert row == (full[:full.index(eot) + 1] if eot in full else full)
+    rows = SpeculativeSampler(target, draft, greedy(30, eot, stops), 4).new_tokens(st, PROMPTS)
+    assert rows[1][-1] == end and len(rows[1]) <= 5 and bool(st.done_B[1])
+    for row, full in zip(rows, greedy_64[:, P:P + 30].tolist()):
+        assert row == (full[:full.index(end) + 1] if end in full else full)
 
 
 def test_sampler_chunks_equal_one_call(pair):

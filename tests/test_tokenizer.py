@@ -221,6 +221,7 @@ def test_hf_tokenizer_matches_transformers(hf_dir, tmp_path):
     tok = hf_tokenizer_into(hf_dir / "tokenizer.json", tmp_path, prompt_template=True)
     assert (tmp_path / "tokenizer.json").read_bytes() == (hf_dir / "tokenizer.json").read_bytes()
     assert (tok.vocab_size, tok.bos_id, tok.eot_id) == (len(ref), 1, 2)  # EOS list: the first
+    assert tok.stop_ids == (0,)  # and the others end generation too
     for text in SAMPLES[:10]:
         assert tok.encode_prompt(text) == ref(text)["input_ids"]
         assert tok.encode(text) == ref(text, add_special_tokens=False)["input_ids"]
@@ -258,5 +259,14 @@ def test_hf_tokenizer_errors(hf_dir, tmp_path):
     (bad_ids / "generation_config.json").write_text(json.dumps({"eos_token_id": 5000}))
     with pytest.raises(UserError, match="eot_id=5000"):
         build_tokenizer(f"hf:{bad_ids}", None, tmp_path / "o2")
+    (bad_ids / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5000]}))
+    with pytest.raises(UserError, match=r"EOS ids \[5000\] .* not a list of at most 64 ids"):
+        build_tokenizer(f"hf:{bad_ids}", None, tmp_path / "o2")
+    good = build_tokenizer(f"hf:{hf_dir}", None, tmp_path / "ok2")
+    for stops in ("3", [True], [1.5], [-1], list(range(65))):  # a spec edited by hand
+        with pytest.raises(UserError, match="EOS ids .* fix the config files"):
+            load_tokenizer({**good.spec, "stop_ids": stops}, tmp_path / "ok2")
+    with pytest.raises(UserError, match="beside an eot_id"):
+        load_tokenizer({**good.spec, "eot_id": None, "stop_ids": [3]}, tmp_path / "ok2")
     with pytest.raises(UserError, match="needs a path"):
         build_tokenizer("hf:", None, tmp_path / "o3")
