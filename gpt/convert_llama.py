@@ -46,9 +46,12 @@ def _rope_theta(hf: dict[str, Any], where: str) -> float:
 def _check_unsupported(hf: dict[str, Any], model_type: str, where: str) -> None:
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-    if hf.get("sliding_window") is not None and (model_type == "mistral" or hf.get("use_sliding_window")):
-        raise UserError(f"{where}: sliding-window attention (sliding_window={hf['sliding_window']}) "
-                        f"is not supported; set sliding_window to null for full attention")
+    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    covers = isinstance(window, int) and isinstance(context, int) and window >= context  # full attention
+    if window is not None and (model_type == "mistral" or hf.get("use_sliding_window")) and not covers:
+        raise UserError(f"{where}: sliding-window attention (sliding_window={window}, shorter than "
+                        f"max_position_embeddings={context}) is not supported; set sliding_window to "
+                        f"null for full attention")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise UserError(f"{where}: {key}=true is not supported (Llama-family models without "

@@ -31,7 +31,7 @@ MODELS = {
     "llama-mha-tied": ("LlamaConfig", "LlamaForCausalLM",
                        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM",
-                dict(num_attention_heads=6, num_key_value_heads=3, sliding_window=None,
+                dict(num_attention_heads=6, num_key_value_heads=3, sliding_window=64,  # = the context
                      tie_word_embeddings=False, rope_theta=20000.0)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True)),
@@ -110,7 +110,8 @@ def _write_config(path: Path, **kw) -> Path:
 @pytest.mark.parametrize("kw,match", [
     (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), r"gemma.*supported.*llama, mistral, qwen2, qwen3"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope scaling 'llama3' is not supported"),
-    (dict(model_type="mistral", sliding_window=4096), "sliding-window attention"),
+    (dict(model_type="mistral", sliding_window=32), "sliding_window=32, shorter than max_position_emb"),
+    (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True), "sliding-window attention"),
     (dict(num_key_value_heads=4), "--n_head=6 must be divisible by --n_kv_head=4"),
     (dict(hidden_size=42, num_attention_heads=6, num_key_value_heads=2), "RoPE needs an even head dimension"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
