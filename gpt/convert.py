@@ -177,13 +177,11 @@ def hf_config(cfg: ModelConfig, eot_id: Any = _UNSET, dropout: float = 0.0) -> d
 # ----------------------------------------------------------------------------- reading
 
 
-def _open_weights(d: Path) -> dict[str, Any]:
-    """name -> (file, safetensors handle) for every tensor in the directory's safetensors file(s)."""
-    from safetensors import safe_open
-
+def _weight_files(d: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The directory's safetensors file(s), and for a sharded model its index's weight_map."""
     if (d / WEIGHTS_FILE).is_file():
-        files = [d / WEIGHTS_FILE]
-    elif (d / INDEX_FILE).is_file():
+        return [d / WEIGHTS_FILE], None
+    if (d / INDEX_FILE).is_file():
         index = read_json_object(d / INDEX_FILE, "a safetensors index (model.safetensors.index.json)")
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
@@ -197,28 +195,42 @@ def _open_weights(d: Path) -> dict[str, Any]:
         for f in files:
             if not f.is_file():
                 raise UserError(f"{f} (named in {INDEX_FILE}) is missing; download it too")
-    else:
-        pickles = [p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack")
-                   for p in sorted(d.glob(pattern))]
-        if pickles:
-            raise UserError(
-                f"{d} has no {WEIGHTS_FILE}, only {', '.join(pickles[:3])}: pickle and other non-safetensors "
-                f"files are not read "
-                f"(loading them can run arbitrary code); make safetensors in a trusted environment with "
-                f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True) "
-                f"or download model.safetensors from the Hub")
-        raise UserError(f"{d} has no {WEIGHTS_FILE}; download the model's safetensors weights "
-                        f"(config.json + model.safetensors)")
-    handles: dict[str, Any] = {}
+        return files, weight_map
+    pickles = [p.name for pattern in ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack")
+               for p in sorted(d.glob(pattern))]
+    if pickles:
+        raise UserError(
+            f"{d} has no {WEIGHTS_FILE}, only {', '.join(pickles[:3])}: pickle and other non-safetensors "
+            f"files are not read "
+            f"(loading them can run arbitrary code); make safetensors in a trusted environment with "
+            f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True) "
+            f"or download model.safetensors from the Hub")
+    raise UserError(f"{d} has no {WEIGHTS_FILE}; download the model's safetensors weights "
+                    f"(config.json + model.safetensors)")
+
+
+def _open_weights(d: Path) -> dict[str, Any]:
+    """name -> safetensors handle for every tensor in the directory's safetensors file(s). A
+    sharded model's tensors are read from the shard its index names, as `transformers` loads them:
+    a tensor the index places in a shard that lacks it is an error, not a silent pick of another."""
+    from safetensors import safe_open
+
+    files, weight_map = _weight_files(d)
+    opened: dict[str, Any] = {}
     for f in files:
         try:
-            h = safe_open(str(f), framework="numpy")
-            for k in h.keys():
-                handles[k] = h
+            opened[f.name] = safe_open(str(f), framework="numpy")
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise UserError(f"{f} is not a readable safetensors file "
                             f"({' '.join(str(e).split())[:160]}); download it again") from None
-    return handles
+    if weight_map is None:
+        return {k: h for h in opened.values() for k in h.keys()}
+    names = {file: set(h.keys()) for file, h in opened.items()}
+    for name, file in weight_map.items():
+        if name not in names[file]:
+            raise UserError(f"{d / file} lacks {name}, which {INDEX_FILE} places there; the shards and "
+                            f"their index do not match, download them again")
+    return {name: opened[file] for name, file in weight_map.items()}
 
 
 def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:

@@ -3,6 +3,7 @@ transformers on small random models built here, exact round trips, greedy decodi
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -188,8 +189,9 @@ def test_hf_tokenizer_bad_input_writes_nothing(tmp_path, monkeypatch):
 
 
 def test_sharded_safetensors_are_read_and_stay_inside(tmp_path):
-    """A model saved in shards (model.safetensors.index.json) converts with the same logits; an
-    index naming a file outside its directory is refused."""
+    """A model saved in shards (model.safetensors.index.json) converts with the same logits, each
+    tensor read from the shard the index names; an index naming a file outside its directory, or a
+    shard that lacks the tensor, is refused."""
     model = make_hf(tmp_path / "one", "qwen3", seed=3)
     model.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="20KB")
     index = tmp_path / "sharded" / "model.safetensors.index.json"
@@ -198,8 +200,13 @@ def test_sharded_safetensors_are_read_and_stay_inside(tmp_path):
     cfg, params = convert.load_hf(tmp_path / "sharded")
     assert float(np.abs(our_logits(cfg, params, idx) - torch_logits(model, idx)).max()) < TOL
     spec = json.loads(index.read_text())
-    first = next(iter(spec["weight_map"]))
-    spec["weight_map"][first] = "../one/model.safetensors"
+    shards = sorted(set(spec["weight_map"].values()))
+    moved, last = next(name for name, f in spec["weight_map"].items() if f == shards[0]), shards[-1]
+    wrong = dict(spec, weight_map={**spec["weight_map"], moved: last})
+    index.write_text(json.dumps(wrong))
+    with pytest.raises(UserError, match=f"{last} lacks {re.escape(moved)}, which .* places there"):
+        convert.load_hf(tmp_path / "sharded")
+    spec["weight_map"][moved] = "../one/model.safetensors"
     index.write_text(json.dumps(spec))
     with pytest.raises(UserError, match="outside its directory"):
         convert.load_hf(tmp_path / "sharded")
