@@ -486,17 +486,21 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
 
 def hf_dir_tokenizer(hf_dir: Path, cfg) -> tuple[dict, bytes | None] | None:
     """(spec, tokenizer.json bytes to copy) for a Hugging Face model directory: GPT-2's tokenizer
-    (our bundled tiktoken copy) for a GPT-2 model of GPT-2's vocabulary, else its tokenizer.json
+    (our bundled tiktoken copy) for a GPT-2 model of GPT-2's vocabulary whose tokenizer.json, if
+    any, is GPT-2's (`is_gpt2`), else its tokenizer.json
     with the model's BOS/EOS ids and its prompt template (a GPT-2-architecture model of another
     vocabulary too), else None. Validated here; nothing is written."""
-    from gpt.tokenizer import HF_FILE, gpt2_tokenizer, hf_spec, hf_tokenizer, warn_if_no_eos
+    from gpt.tokenizer import HF_FILE, gpt2_tokenizer, hf_spec, hf_tokenizer, is_gpt2, warn_if_no_eos
 
-    if not is_llama_family(cfg) and cfg.vocab_size == GPT2_VOCAB:
-        return gpt2_tokenizer().spec, None
     path = hf_dir / HF_FILE
+    gpt2_sized = not is_llama_family(cfg) and cfg.vocab_size == GPT2_VOCAB
+    if gpt2_sized and not path.exists():
+        return gpt2_tokenizer().spec, None
     if not path.exists():
         return None
     data, hf, spec = hf_spec(path, f"fix or remove {path}")
+    if gpt2_sized and is_gpt2(hf):
+        return gpt2_tokenizer().spec, None
     tok = hf_tokenizer(data, hf, {**spec, "prompt_template": True}, path)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(f"{path} has {tok.vocab_size} tokens but the model's vocabulary is "

@@ -326,6 +326,24 @@ def gpt2_tokenizer() -> TiktokenTokenizer:
     return TiktokenTokenizer(_gpt2_encoding(), {"kind": "gpt2", "vocab_size": 50257, "eot_id": 50256})
 
 
+GPT2_PROBE = "Hello world, ROMEO: thou art  \n\n\t naïve 12,345 don't 😀 Ünïcödé\r\n"
+
+
+def is_gpt2(hf) -> bool:
+    """Whether a Hugging Face `tokenizers.Tokenizer` is GPT-2's own: every one of its 50,257 tokens
+    at GPT-2's id, and a probe text encoded to the same ids (so its merges and pre-tokenizer too).
+    A community GPT-2 trained from scratch often keeps the size, 50,257, with a BPE of its own."""
+    enc = _gpt2_encoding()
+    if hf.get_vocab_size(with_added_tokens=True) != 50257 or hf.token_to_id(EOT) != enc.eot_token:
+        return False
+    table = bytes_to_unicode()
+    vocab = hf.get_vocab(with_added_tokens=True)
+    as_text = lambda i: "".join(table[b] for b in enc.decode_single_token_bytes(i))
+    if any(vocab.get(as_text(i)) != i for i in range(enc.eot_token)):
+        return False
+    return hf.encode(GPT2_PROBE, add_special_tokens=False).ids == enc.encode_ordinary(GPT2_PROBE)
+
+
 def load_tokenizer(spec: dict, base_dir: str | Path) -> Tokenizer:
     """Rebuild a tokenizer from its spec; files it names are read from `base_dir`."""
     if not isinstance(spec, dict) or "kind" not in spec:

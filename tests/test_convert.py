@@ -183,3 +183,48 @@ def test_bad_inputs_are_one_line_errors(hf, tmp_path, capsys):
         assert needle in lines[0], (name, lines[0])
         assert not (tmp_path / f"out_{name}" / "checkpoints").exists()
         assert not (tmp_path / "x").exists()
+
+
+def gpt2_tokenizer_json(path: Path, edit=None) -> None:
+    """GPT-2's tokenizer as a Hugging Face tokenizer.json (transformers' converter from the bundled
+    ranks), optionally edited as a JSON dict first."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from gpt.tokenizer import GPT2_PATTERN, GPT2_RANKS_FILE
+    hf = TikTokenConverter(vocab_file=str(GPT2_RANKS_FILE), pattern=GPT2_PATTERN,
+                           extra_special_tokens=["<|endoftext|>"]).converted()
+    spec = json.loads(hf.to_str())
+    if edit is not None:
+        edit(spec)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+
+
+def _swap_two_ids(spec):
+    vocab = spec["model"]["vocab"]
+    vocab["Hello"], vocab["world"] = vocab["world"], vocab["Hello"]
+
+
+def test_gpt2_sized_vocabulary_with_a_tokenizer_of_its_own(hf, tmp_path):
+    """A GPT-2 model of GPT-2's 50,257 tokens samples with GPT-2's bundled tokenizer only if its
+    tokenizer.json is GPT-2's: a community GPT-2 trained from scratch often keeps the size with a
+    BPE of its own (here: two ids swapped, or GPT-2's vocabulary without its merges)."""
+    from gpt.checkpoint import load_model
+    from gpt.tokenizer import is_gpt2
+    from tokenizers import Tokenizer
+    from helpers import tiny_model_config
+    cfg = tiny_model_config(vocab_size=50257)
+    gpt2_tokenizer_json(tmp_path / "same")
+    assert convert.hf_dir_tokenizer(tmp_path / "same", cfg)[0]["kind"] == "gpt2"
+    assert is_gpt2(Tokenizer.from_file(str(tmp_path / "same" / "tokenizer.json")))
+    gpt2_tokenizer_json(tmp_path / "nomerges", lambda spec: spec["model"].update(merges=[]))
+    assert convert.hf_dir_tokenizer(tmp_path / "nomerges", cfg)[0]["kind"] == "hf"
+
+    d, out = tmp_path / "own", tmp_path / "ckpt"
+    gpt2_tokenizer_json(d, _swap_two_ids)
+    for f in hf[0].iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    assert convert.main(["--from_hf", str(d), "--out_dir", str(out)]) == 0
+    _, meta, tok = load_model(out, dtype="float32")
+    assert meta["tokenizer"]["kind"] == "hf" and (out / "tokenizer.json").is_file()
+    assert tok.encode("Hello") == [6894] and tok.decode([15496]) == "world"  # GPT-2: 15496, 6894
