@@ -487,9 +487,9 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
 def hf_dir_tokenizer(hf_dir: Path, cfg) -> tuple[dict, bytes | None] | None:
     """(spec, tokenizer.json bytes to copy) for a Hugging Face model directory: GPT-2's tokenizer
     (our bundled tiktoken copy) for a GPT-2 model of GPT-2's vocabulary whose tokenizer.json, if
-    any, is GPT-2's (`is_gpt2`), else its tokenizer.json
-    with the model's BOS/EOS ids and its prompt template (a GPT-2-architecture model of another
-    vocabulary too), else None. Validated here; nothing is written."""
+    any, is GPT-2's (`is_gpt2`), else its tokenizer.json with the model's BOS/EOS ids and its prompt
+    template (a GPT-2-architecture model of another vocabulary or BPE too), else None. Validated
+    here; nothing is written."""
     from gpt.tokenizer import HF_FILE, gpt2_tokenizer, hf_spec, hf_tokenizer, is_gpt2, warn_if_no_eos
 
     path = hf_dir / HF_FILE

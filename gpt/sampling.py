@@ -42,7 +42,9 @@ class SamplingSettings:
 
     def ends(self, tok: jax.Array) -> jax.Array:
         """Where `tok` holds an id that ends a row (all False without an eot_id)."""
-        return jnp.isin(tok, jnp.array(self.end_ids, jnp.int32)) if self.end_ids else jnp.zeros(tok.shape, bool)
+        if not self.end_ids:
+            return jnp.zeros(tok.shape, bool)
+        return jnp.isin(tok, jnp.array(self.end_ids, jnp.int32))
 
 
 # ----------------------------------------------------------------------------- filters
