@@ -38,6 +38,15 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the query/key/value projections only (Qwen2)
     pos_embedding: str = "learned"  # learned (GPT-2) | sinusoidal (Vaswani et al.) | rope | none
     rope_theta: float = 10000.0  # RoPE base
+    # RoPE's frequencies stretched to a longer context than they were trained at (imported Llama
+    # 3.1+ checkpoints): none | linear (every frequency / rope_factor) | llama3 (wavelengths over
+    # rope_original_context / rope_low_freq_factor divided by rope_factor, those under
+    # rope_original_context / rope_high_freq_factor kept, the ones between blended)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
     norm: str = "layernorm"  # layernorm | rmsnorm | dyt (dynamic tanh, no normalization)
     norm_eps: float = 1e-5
     mlp: str = "gelu"  # gelu | swiglu (gated, SiLU)
@@ -210,6 +219,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                         vocab_size=49152, bias=False, **_LLAMA, dropout=0.0, **_GPT2_TRAIN),
     "llama-1b": dict(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, ffn_dim=8192, block_size=2048,
                      vocab_size=128256, bias=False, **dict(_LLAMA, rope_theta=500000.0),
+                     rope_scaling="llama3", rope_factor=32.0,
                      dropout=0.0, **_GPT2_TRAIN),
     # For tests: a model that compiles and trains in a second.
     "tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, bias=True,
@@ -223,6 +233,7 @@ LORA_TARGETS = (*LORA_GROUPS, *(w for ws in LORA_GROUPS.values() for w in ws))
 
 _CHOICES = {
     "pos_embedding": ("learned", "sinusoidal", "rope", "none"),
+    "rope_scaling": ("none", "linear", "llama3"),
     "norm": ("layernorm", "rmsnorm", "dyt"),
     "mlp": ("gelu", "swiglu"),
     "activation": ("gelu_tanh", "gelu"),
@@ -427,7 +438,19 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if m.pos_embedding == "rope" and m.head_dim % 2:
         raise UserError(f"RoPE needs an even head dimension, got {m.head_dim} (n_embd / n_head); "
                         f"change --n_embd or --n_head")
+    _validate_rope_scaling(m)
     return m
+
+
+def _validate_rope_scaling(m: ModelConfig) -> None:
+    _check_choice(m, "rope_scaling")
+    _check_positive(m, "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
+    if m.rope_scaling != "none" and m.pos_embedding != "rope":
+        raise UserError(f"--rope_scaling={m.rope_scaling} needs --pos_embedding=rope; drop it or use RoPE")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise UserError(f"--rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                        f"--rope_low_freq_factor={m.rope_low_freq_factor} (llama3 scaling blends the "
+                        f"frequencies between the two)")
 
 
 def _validate_moe(m: ModelConfig) -> None:

@@ -27,20 +27,60 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
-    """rope_theta from the config (top level, or transformers 5's rope_parameters); rope scaling
-    (Llama 3's, YaRN, linear, dynamic) changes the positions and is not implemented."""
+ROPE_KEYS = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _number(d: dict[str, Any], key: str, where: str, integer: bool = False) -> float:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or v <= 0:
+        raise UserError(f"{where}: {key}={v!r} must be a positive {'integer' if integer else 'number'}")
+    return v
+
+
+def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """Our RoPE fields from the config: rope_theta (top level, or transformers 5's rope_parameters)
+    and the scaling of rope_parameters or the older rope_scaling. Linear and Llama 3's scaling are
+    a fixed change of the frequencies; YaRN's and the dynamic kinds also change the attention or
+    depend on the length, and are refused."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
+    if hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UserError(f"{where}: partial_rotary_factor is not supported (RoPE over the whole head)")
+    out: dict[str, Any] = {}
     for d in (params, scaling):
         kind = d.get("rope_type", d.get("type", "default")) if isinstance(d, dict) else d
-        if kind != "default":
-            raise UserError(f"{where}: rope scaling {kind!r} is not supported (only plain RoPE, "
-                            f"rope_type 'default'); use a model without rope_scaling")
+        if kind == "default" or out:
+            continue
+        if kind not in ROPE_KEYS:
+            raise UserError(f"{where}: rope scaling {kind!r} is not supported (plain RoPE, 'linear' and "
+                            f"'llama3' are); use a model without it")
+        get = lambda key: _number(d if isinstance(d, dict) else {}, key, where, integer=key.startswith("original"))
+        out = {"rope_scaling": kind, "rope_factor": float(get("factor"))}
+        if kind == "llama3":
+            out.update(rope_low_freq_factor=float(get("low_freq_factor")),
+                       rope_high_freq_factor=float(get("high_freq_factor")),
+                       rope_original_context=get("original_max_position_embeddings"))
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise UserError(f"{where}: rope_theta={theta!r} must be a positive number")
-    return float(theta)
+    return {"rope_theta": float(theta), **out}
+
+
+def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json keys of `cfg`'s RoPE: rope_theta, transformers 5's rope_parameters and, for
+    a scaled RoPE, the rope_scaling that transformers 4 reads."""
+    out: dict[str, Any] = {"rope_theta": cfg.rope_theta,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+    if cfg.rope_scaling == "none":
+        return out
+    scaling = {"rope_type": cfg.rope_scaling, "factor": cfg.rope_factor}
+    if cfg.rope_scaling == "llama3":
+        scaling.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+                       original_max_position_embeddings=cfg.rope_original_context)
+    out["rope_parameters"] = {**scaling, "rope_theta": cfg.rope_theta}
+    out["rope_scaling"] = scaling
+    return out
 
 
 def _check_unsupported(hf: dict[str, Any], model_type: str, where: str) -> None:
@@ -75,7 +115,7 @@ def config_from_hf(hf: dict[str, Any], where: str, get_int: Callable[..., int]) 
         n_layer=get_int("num_hidden_layers"), n_head=H, n_embd=D,
         n_kv_head=0 if G == H else G, head_size=0 if head * H == D else head,
         ffn_dim=get_int("intermediate_size"), bias=False, qkv_bias=model_type == "qwen2",
-        pos_embedding="rope", rope_theta=_rope_theta(hf, where), norm="rmsnorm", norm_eps=float(eps),
+        pos_embedding="rope", **_rope(hf, where), norm="rmsnorm", norm_eps=float(eps),
         mlp="swiglu", qk_norm=model_type == "qwen3",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
     try:
@@ -203,8 +243,7 @@ def hf_config(cfg: ModelConfig, model_type: str, bos_id: int | None, eos_id: int
         "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.block_size, "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.block_size, **hf_rope(cfg),
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
         "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True, "dtype": "float32",
         "bos_token_id": bos_id, "eos_token_id": eos_id,

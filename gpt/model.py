@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gpt import lora as lora_lib
@@ -107,12 +108,33 @@ def normalize(x: jax.Array, p: dict, cfg: ModelConfig) -> jax.Array:
     return layer_norm(x, p["scale"], p["bias"], cfg.norm_eps)
 
 
-def rope(x_BTHK: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """RoPE's inverse frequencies [K / 2], float32 as `transformers` computes them (a constant of
+    the config, computed on the host): theta^(-2i/K), then `cfg.rope_scaling`'s stretch. Llama 3's
+    keeps the short wavelengths, divides the long ones by the factor and blends those between."""
+    K = cfg.head_dim
+    inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, K, 2, dtype=np.float32) / np.float32(K))))
+    inv_freq = inv_freq.astype(np.float32)
+    factor = np.float32(cfg.rope_factor)
+    if cfg.rope_scaling == "linear":
+        return inv_freq / factor
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    context, low, high = (np.float32(v) for v in (cfg.rope_original_context, cfg.rope_low_freq_factor,
+                                                  cfg.rope_high_freq_factor))
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def rope(x_BTHK: jax.Array, positions_BT: jax.Array, inv_freq_k: np.ndarray) -> jax.Array:
     """Rotary position embedding in Hugging Face Llama's layout: the head dim's first half is
     rotated against its second half (no interleaving), so imported q/k weights need no permutation."""
     half = x_BTHK.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half)))
-    angles_BTk = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    angles_BTk = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_k)
     cos, sin = jnp.cos(angles_BTk)[:, :, None], jnp.sin(angles_BTk)[:, :, None]
     x1, x2 = x_BTHK[..., :half].astype(jnp.float32), x_BTHK[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BTHK.dtype)
@@ -415,8 +437,9 @@ class Block(nnx.Module):
             q_BTHK = rms_norm(q_BTHK, self.q_norm[...], cfg.norm_eps)
             k_BTGK = rms_norm(k_BTGK, self.k_norm[...], cfg.norm_eps)
         if cfg.pos_embedding == "rope":
-            q_BTHK = rope(q_BTHK, positions_BT, cfg.rope_theta)
-            k_BTGK = rope(k_BTGK, positions_BT, cfg.rope_theta)
+            inv_freq_k = rope_frequencies(cfg)
+            q_BTHK = rope(q_BTHK, positions_BT, inv_freq_k)
+            k_BTGK = rope(k_BTGK, positions_BT, inv_freq_k)
         return q_BTHK, k_BTGK, v_BTGK
 
     def mlp(self, h_BTD, cfg: ModelConfig, mm, key=None, recompute: bool = True, kernel: str = ""):

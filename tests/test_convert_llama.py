@@ -21,19 +21,22 @@ from helpers import make_hf_tokenizer, perturb_and_save, tiny_gpt, torch_logits 
 
 TOL = 1e-4
 V = 300
-# Odd sizes on purpose: 3 KV groups, an untied head, rope_theta other than 10000, Qwen2's q/k/v
-# biases, Qwen3's QK-norm with a head dim that is not hidden / heads.
+# Odd sizes on purpose: 3 KV groups, an untied head, rope_theta other than 10000, Llama 3's and
+# linear RoPE scaling, Qwen2's q/k/v biases, Qwen3's QK-norm with a head dim that is not hidden / heads.
 COMMON = dict(vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
               max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
 MODELS = {
-    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM",
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM",  # Llama 3.1's RoPE bands: kept, blended, divided
                   dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False,
-                       rope_theta=500000.0)),
+                       rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=0.125,
+                                                              high_freq_factor=0.5,
+                                                              original_max_position_embeddings=32))),
     "llama-mha-tied": ("LlamaConfig", "LlamaForCausalLM",
                        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM",
                 dict(num_attention_heads=6, num_key_value_heads=3, sliding_window=64,  # = the context
-                     tie_word_embeddings=False, rope_theta=20000.0)),
+                     tie_word_embeddings=False, rope_theta=20000.0,
+                     rope_scaling=dict(rope_type="linear", factor=2.0))),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
@@ -110,7 +113,10 @@ def _write_config(path: Path, **kw) -> Path:
 
 @pytest.mark.parametrize("kw,match", [
     (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), r"gemma.*supported.*llama, mistral, qwen2, qwen3"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope scaling 'llama3' is not supported"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 8.0}), "rope scaling 'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor=None must be a positive"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 0}), "factor=0 must be a positive number"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor is not supported"),
     (dict(model_type="mistral", sliding_window=32), "sliding_window=32, shorter than max_position_emb"),
     (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True), "sliding-window attention"),
     (dict(num_key_value_heads=4), "--n_head=6 must be divisible by --n_kv_head=4"),

@@ -1,4 +1,7 @@
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -314,6 +317,28 @@ def test_modern_params_flops_and_bad_shapes():
         validate_model(tiny_model_config(n_head=4, n_kv_head=3))
     with pytest.raises(UserError, match="RoPE needs an even head dimension"):
         validate_model(tiny_model_config(n_embd=36, n_head=4, pos_embedding="rope"))
+    for kw, match in ((dict(rope_scaling="yarn"), "--rope_scaling=yarn is not valid"),
+                      (dict(rope_scaling="linear"), "needs --pos_embedding=rope"),
+                      (dict(pos_embedding="rope", rope_factor=0.0), "--rope_factor=0.0 must be positive"),
+                      (dict(pos_embedding="rope", rope_scaling="llama3", rope_low_freq_factor=4.0),
+                       "--rope_high_freq_factor=4.0 must exceed --rope_low_freq_factor=4.0")):
+        with pytest.raises(UserError, match=re.escape(match) if "--" in match else match):
+            validate_model(tiny_model_config(**kw))
+
+
+def test_rope_scaling_frequencies():
+    """Linear scaling divides every frequency; Llama 3's keeps the short wavelengths, divides the
+    long ones and blends the ones between (the HF parity lives in test_convert_llama.py)."""
+    cfg = tiny_model_config(n_embd=48, n_head=6, pos_embedding="rope", rope_theta=5e5)
+    base = M.rope_frequencies(cfg)
+    np.testing.assert_allclose(base, 5e5 ** -(np.arange(0, 8, 2) / 8), rtol=1e-6)
+    linear = M.rope_frequencies(dataclasses.replace(cfg, rope_scaling="linear", rope_factor=4.0))
+    np.testing.assert_allclose(linear, base / 4, rtol=1e-6)
+    llama3 = M.rope_frequencies(dataclasses.replace(cfg, rope_scaling="llama3", rope_factor=8.0,
+                                                    rope_low_freq_factor=0.125, rope_high_freq_factor=0.5,
+                                                    rope_original_context=32))
+    assert llama3[0] == base[0] and base[1] / 8 < llama3[1] < base[1]  # wavelengths 6.3 and 167
+    np.testing.assert_allclose(llama3[2:], base[2:] / 8, rtol=1e-6)
 
 
 FOR_DECODING = {"gpt2": {}, "llama": MODERN["llama"],
