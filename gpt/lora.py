@@ -329,19 +329,16 @@ def load_base(ref: Any, where: str | Path) -> Base:
 
 def check_tokenizer(base: Base, data_spec: dict[str, Any], src: str) -> None:
     """The data must be tokenized as the base was (else every id means another token)."""
-    if base.tokenizer is None:
-        return
-    ignore = ("file", "prompt_template")
-    same = lambda spec: {k: v for k, v in spec.items() if k not in ignore}  # noqa: E731
-    if same(base.tokenizer) != same(data_spec):
-        hint = {"gpt2": "--tokenizer=gpt2", "hf": f"--tokenizer=hf:{src}/tokenizer.json"}.get(
-            base.tokenizer.get("kind"), "the same tokenizer (a char alphabet must be the same characters)")
-        raise UserError(f"the data is tokenized with {_describe(data_spec)} but the base model {src} "
-                        f"with {_describe(base.tokenizer)}; prepare the data with {hint}")
+    from gpt.tokenizer import check_data_tokenizer
+    check_data_tokenizer(base.tokenizer, data_spec, f"the base model {src}",
+                         f"prepare the data with {tokenizer_hint(base.tokenizer, src)}")
 
 
-def _describe(spec: dict[str, Any]) -> str:
-    return f"{spec.get('kind')} ({spec.get('vocab_size')} tokens)"
+def tokenizer_hint(spec: Any, src: str | Path) -> str:
+    """How to prepare data with the tokenizer `spec` of the model in `src`."""
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    return {"gpt2": "--tokenizer=gpt2", "hf": f"--tokenizer=hf:{src}/tokenizer.json"}.get(
+        kind, "the same tokenizer (a char alphabet must be the same characters)")
 
 
 # ----------------------------------------------------------------------------- loading and merging

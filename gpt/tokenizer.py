@@ -29,7 +29,7 @@ import secrets
 import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import tiktoken
@@ -373,11 +373,35 @@ def load_tokenizer(spec: dict, base_dir: str | Path) -> Tokenizer:
     raise UserError(f"unknown tokenizer kind {kind!r} in spec; valid kinds: gpt2, char, bpe, hf")
 
 
+# What a spec holds beside the ids it gives a text: its file's name, whether prompts take the
+# template, and the extra ids that end generation.
+NOT_IDS = ("file", "prompt_template", "stop_ids")
+
+
+def ids_of(spec: dict) -> dict:
+    """The part of a tokenizer spec that decides the ids of a text (the kind, the vocabulary, the
+    file's sha256, the end-of-text id)."""
+    return {k: v for k, v in spec.items() if k not in NOT_IDS}
+
+
+def check_data_tokenizer(model_spec: Any, data_spec: dict, model: str, fix: str) -> None:
+    """Data tokenized otherwise than `model` was trained (every id would mean another token) is one
+    line ending in `fix`; a model that records no tokenizer (a Hugging Face directory without
+    tokenizer.json) is not checked."""
+    if isinstance(model_spec, dict) and ids_of(model_spec) != ids_of(data_spec):
+        raise UserError(f"the data is tokenized with {describe(data_spec)} but {model} with "
+                        f"{describe(model_spec)}; {fix}")
+
+
+def describe(spec: dict) -> str:
+    """A spec in a few words, for messages: kind and vocabulary (a char alphabet's size)."""
+    return f"{spec.get('kind')} ({spec.get('vocab_size')} tokens)"
+
+
 def fingerprint(tok: Tokenizer, base_dir: str | Path) -> str:
     """What makes two checkpoints' tokenizers the same (speculative decoding pairs models by it):
-    the spec without its file names and prompt template, and the content of the files it names,
-    wherever they are."""
-    spec = {k: v for k, v in tok.spec.items() if k not in ("file", "prompt_template")}
+    the spec's ids (`ids_of`), and the content of the files it names, wherever they are."""
+    spec = ids_of(tok.spec)
     files = [hashlib.sha256(inside(base_dir, f).read_bytes()).hexdigest() for f in tok.files()]
     return json.dumps({"spec": spec, "files": files}, sort_keys=True)
 

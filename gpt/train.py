@@ -40,7 +40,7 @@ from gpt.errors import UserError
 from gpt.model import GPT, abstract_model, flops_per_token, num_params
 from gpt.ops.cross_entropy import cross_entropy  # noqa: F401 - re-exported (the tests use it)
 from gpt.runtime import Runtime, compiler_options, dtype_note, loss_chunks_for, on_mesh, resolve
-from gpt.tokenizer import REPO_ROOT, atomic_write_bytes, load_tokenizer
+from gpt.tokenizer import REPO_ROOT, atomic_write_bytes, check_data_tokenizer, load_tokenizer
 
 BUNDLED_CORPUS = REPO_ROOT / "data" / "shakespeare.txt"
 
@@ -251,6 +251,10 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
     out = Path(t.out_dir)
     if t.init_from == "resume" and t.overwrite:
         raise UserError("--overwrite starts over and --init_from=resume continues: pass one of them")
+    text_flags = [f"--{k}" for k in PREPARE_FLAGS if k in explicit]
+    if "data_dir" in explicit and text_flags:
+        raise UserError(f"--data_dir names data already prepared and tokenized, which {', '.join(text_flags)} "
+                        f"would not change; pass --data_dir alone, or --input with its preparation flags")
     if t.init_from not in ("scratch", "resume", "gpt2") and Path(t.init_from).resolve() == out.resolve():
         # the run would replace the weights it starts from (a LoRA run keeps only its adapters and
         # points at its base, which would be gone)
@@ -270,7 +274,11 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
                             f"resume (it is intact); fine-tune it with --init_from={out} and a new --out_dir")
         m = _model_for_checkpoint(model_from_dict(meta_ck["config"]["model"]), m, explicit)
         c, t = _settings_for_resume(meta_ck["config"], c, t, explicit)
-        if not t.data_dir and not t.input and meta_ck.get("data_dir"):
+        if "input" in explicit and "data_dir" not in explicit:  # the flag wins over the saved data
+            t = dataclasses.replace(t, data_dir="")
+        elif "data_dir" in explicit:
+            t = dataclasses.replace(t, input=[])
+        elif not t.data_dir and not t.input and isinstance(meta_ck.get("data_dir"), str):
             t = dataclasses.replace(t, data_dir=meta_ck["data_dir"])
     elif ckpt.list_steps(out) and not t.overwrite:
         raise UserError(f"{out} already holds checkpoints (steps {ckpt.list_steps(out)}); resume with "
@@ -293,7 +301,12 @@ def _with_data(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[s
         init_params, lora, base_ref = base.params, lora_lib.resolve(t, m), base.ref
     elif t.init_from not in ("scratch", "resume"):
         src = find_gpt2_dir() if t.init_from == "gpt2" else Path(t.init_from)
-        m, init_params = load_init(src, m, explicit)
+        m, init_params, tokenizer = load_init(src, m, explicit)
+        check_data_tokenizer(tokenizer, meta["tokenizer"], f"the model in {src}",
+                             f"prepare the data with {lora_lib.tokenizer_hint(tokenizer, src)}")
+    elif meta_ck is not None:
+        check_data_tokenizer(meta_ck.get("tokenizer"), meta["tokenizer"], f"the run in {t.out_dir} was trained",
+                             f"pass the data it was trained on ({_recorded_data(meta_ck)})")
     if t.init_from == "scratch":
         if "vocab_size" in explicit and m.vocab_size < meta["vocab_size"]:
             raise UserError(f"--vocab_size={m.vocab_size} is smaller than the data's vocabulary "
@@ -324,6 +337,9 @@ def _lora_base(t: TrainConfig, m: ModelConfig, explicit: set[str], meta_ck: dict
                         f"--out_dir=NEW_DIR")
     return _model_for_checkpoint(base.cfg, m, explicit), base
 
+
+# The flags that say how text is prepared (gpt.data): with a prepared --data_dir they do nothing.
+PREPARE_FLAGS = ("input", "tokenizer", "text_field", "skip_bad_records")
 
 # What a resumed run may change with a flag (how long it runs, how often it reports, where the
 # data and devices are, the kernels); every other setting must match the checkpoint. Unflagged,
@@ -371,17 +387,27 @@ def _settings_for_resume(saved: dict, c: ComputeConfig, t: TrainConfig,
                         f"the checkpoint's metadata is damaged") from None
 
 
-def load_init(src: Path, m: ModelConfig, explicit: set[str]) -> tuple[ModelConfig, Any]:
-    """Parameters (host arrays) and architecture from a checkpoint dir (a LoRA run's merged) or a
-    Hugging Face dir."""
+def load_init(src: Path, m: ModelConfig, explicit: set[str]) -> tuple[ModelConfig, Any, dict | None]:
+    """Parameters (host arrays), architecture and tokenizer spec (None if it records none) from a
+    checkpoint dir (a LoRA run's merged) or a Hugging Face dir."""
     if lora_lib.is_hf_dir(src):
-        from gpt.convert import load_hf
+        from gpt.convert import hf_dir_tokenizer, load_hf
         hf_model, params = load_hf(src)
-        return _model_for_checkpoint(hf_model, m, explicit), params
+        tokenizer = hf_dir_tokenizer(src, hf_model)
+        return _model_for_checkpoint(hf_model, m, explicit), params, tokenizer and tokenizer[0]
     _, meta = ckpt.read_meta(src)
     m = _model_for_checkpoint(model_from_dict(meta["config"]["model"]), m, explicit)
-    _, _, params, _ = lora_lib.restore_params(src)
-    return m, params
+    _, _, params, meta = lora_lib.restore_params(src)
+    return m, params, meta.get("tokenizer")
+
+
+def _recorded_data(meta_ck: dict) -> str:
+    """Where a checkpoint says its data came from, as flags."""
+    train = meta_ck["config"].get("train") or {}
+    if isinstance(meta_ck.get("data_dir"), str):
+        return f"--data_dir={meta_ck['data_dir']}"
+    inputs = train.get("input") if isinstance(train.get("input"), list) else []
+    return " ".join(f"--input={i}" for i in inputs) or "its --data_dir or --input"
 
 
 # ----------------------------------------------------------------------------- the loop

@@ -310,3 +310,29 @@ def test_converted_checkpoint_is_not_resumed_for_training(tmp_path, char_data):
         T.prepare_setup(*configs(out, char_data, "--init_from=resume"))
     assert "--overwrite" not in str(e.value)
     shutil.rmtree(out)
+
+
+def test_data_must_be_tokenized_as_the_model_was(tmp_path, char_data):
+    """Resuming or fine-tuning on data tokenized otherwise (here: a char alphabet without capitals)
+    is one line naming both tokenizers, not a run whose ids mean other characters; --data_dir with
+    a preparation flag is refused, and a resumed run's explicit --input replaces its saved data."""
+    from gpt.data import prepare
+    lower = tmp_path / "lower.txt"
+    lower.write_text((REPO / "data" / "shakespeare.txt").read_text()[:200_000].lower())
+    prepare([str(lower)], "char", tmp_path / "lower")
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=2", "--eval_interval=2")
+    with pytest.raises(UserError, match=r"the data is tokenized with char \(\d+ tokens\) but the run in .*o was "
+                                        r"trained with char \(\d+ tokens\); pass the data it was trained on "
+                                        r"\(--data_dir=.*prepared\)"):
+        T.prepare_setup(*configs(out, tmp_path / "lower", "--init_from=resume", "--max_iters=4"))
+    with pytest.raises(UserError, match=r"but the model in .*o with char \(\d+ tokens\); prepare the data "
+                                        r"with the same tokenizer"):
+        T.prepare_setup(*configs(tmp_path / "p", tmp_path / "lower", f"--init_from={out}"))
+    T.prepare_setup(*configs(tmp_path / "p", char_data, f"--init_from={out}"))  # the same alphabet
+    with pytest.raises(UserError, match="--data_dir names data already prepared and tokenized, which "
+                                        "--input, --tokenizer would not change"):
+        T.prepare_setup(*configs(tmp_path / "q", char_data, f"--input={lower}", "--tokenizer=gpt2"))
+    flags = ["--preset=tiny", f"--out_dir={out}", "--init_from=resume", f"--input={lower}"]
+    _, _, t, _ = T._starting_point(*build_train(flags))
+    assert t.data_dir == "" and t.input == [str(lower)]  # the saved --data_dir gives way
