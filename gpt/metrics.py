@@ -7,6 +7,7 @@ functions serve `train.py` and `bench/train.py`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -172,6 +173,7 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        record = _finite_or_null(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
@@ -236,6 +238,18 @@ def _tensorboard_writer(out_dir: Path) -> Any:
         if hide:
             del sys.modules["torch"]
     return SummaryWriter(str(out_dir), flush_secs=30)
+
+
+def _finite_or_null(v: Any) -> Any:
+    """`v` with NaN and infinities as None (null): strict JSON readers (jq, JavaScript) refuse the
+    NaN and Infinity tokens Python would write, and a diverging step's grad norm can be one."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite_or_null(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite_or_null(x) for x in v]
+    return v
 
 
 def _scalars(record: dict[str, Any], prefix: str):

@@ -678,13 +678,30 @@ def save(run: Run, state: State, val_loss: float | None) -> None:
     run.checkpointer.save(state.step, state.params, state.opt_state, meta, val_loss)
 
 
+DIVERGED = "stopped without saving (last good checkpoint kept); try a lower --learning_rate or --grad_clip=1.0"
+
+
 def host_metrics(metrics: dict, step: int) -> dict[str, float]:
     """The step's metrics on the host (the only device->host sync); a non-finite loss stops."""
     host = metrics_lib.to_host(metrics)
     if not math.isfinite(host["loss"]):
-        raise UserError(f"the loss became {host['loss']} at step {step}; stopped without saving "
-                        f"(last good checkpoint kept); try a lower --learning_rate or --grad_clip=1.0")
+        raise UserError(f"the loss became {host['loss']} at step {step}; {DIVERGED}")
     return host
+
+
+@jax.jit
+def _norm_finite(tree: Any) -> jax.Array:
+    return jnp.isfinite(optax.global_norm(tree))
+
+
+def check_savable(state: State) -> None:
+    """Only weights of a finite float32 norm are saved (no NaN, no inf, none beyond about 1e19).
+    The step's loss is of the weights before its update, so an update that blows them up shows
+    only in the next step's loss, after a save at this one would have replaced the last good
+    checkpoint. Checked at saves only: one reduction over the weights."""
+    if not bool(_norm_finite(state.params)):
+        raise UserError(f"the weights diverged (their norm is no longer finite) at step {state.step}; "
+                        f"{DIVERGED}")
 
 
 class Progress:
@@ -744,6 +761,8 @@ def log_and_evaluate(run: Run, state: State, metrics: dict, prog: Progress, at_l
     if not at_eval:
         return host["loss"], None
     ev = run_eval(run, state, state.step)
+    if not math.isfinite(ev["val_loss"]):
+        raise UserError(f"the val loss became {ev['val_loss']} at step {state.step}; {DIVERGED}")
     state.best_val = ev["val_loss"] if state.best_val is None else min(state.best_val, ev["val_loss"])
     run.mlog.write({"kind": "eval", "step": state.step, **ev, "lr": host["lr"],
                     "tokens_per_sec": rate["tokens_per_sec"], "mfu": rate["mfu"],
@@ -811,6 +830,7 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
                 summary["train_losses"].append((state.step, loss))
                 summary.update(ev or {})
                 if at_ckpt:
+                    check_savable(state)
                     save(run, state, ev["val_loss"] if ev else None)
                     aside = ckpt.drop_aside_once_saved(out, aside)  # the space comes back early
             if prog.bar is not None:

@@ -41,6 +41,16 @@ def test_log_resume_drops_later_and_torn_lines(tmp_path):
     assert not log.path.exists()
 
 
+def test_log_is_strict_json(tmp_path):
+    """NaN and infinities (a diverging step's grad norm) are written as null, which every JSON
+    reader takes; Python's NaN/Infinity tokens are not JSON."""
+    log = MetricsLog(tmp_path, tensorboard=False)
+    log.write({"kind": "train", "step": 1, "loss": 2.0, "grad_norm": float("inf"),
+               "moe_load": {"layer1": [0.5, float("nan")]}})
+    record = json.loads(log.path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the log"))
+    assert record["grad_norm"] is None and record["moe_load"] == {"layer1": [0.5, None]}
+
+
 def test_disabled_log_writes_nothing(tmp_path):
     log = MetricsLog(tmp_path, enabled=False)
     log.write({"kind": "train", "step": 1, "loss": 2.0})

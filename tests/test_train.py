@@ -110,6 +110,15 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, char_data):
             "--min_lr=0", "--grad_clip=0", "--warmup_iters=0")
     steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] == 4
+    # The loss is of the weights before the step's update: a save right after a diverging update
+    # (every step here) is refused too, whether or not the step evaluates.
+    diverge = ("--learning_rate=1e30", "--min_lr=0", "--grad_clip=0", "--warmup_iters=0", "--max_iters=20")
+    with pytest.raises(UserError, match=r"val loss became (nan|inf) at step 1; stopped without saving"):
+        run(tmp_path / "p", char_data, *diverge, "--eval_interval=1")
+    with pytest.raises(UserError, match=r"weights diverged .* at step 1; stopped without saving"):
+        run(tmp_path / "q", char_data, *diverge, "--eval_interval=10", "--ckpt_interval=1")
+    from gpt.checkpoint import list_steps
+    assert list_steps(tmp_path / "p") == list_steps(tmp_path / "q") == []
 
 
 def test_resume_keeps_the_runs_settings(tmp_path, char_data):
