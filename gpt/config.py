@@ -259,10 +259,17 @@ def parse_value(key: str, raw: Any, typ: Any, sep: str | None = None) -> Any:
     List fields take one item per flag (repeat the flag for more), or `sep`-separated items where
     the field declares a separator (paths: --input=a.txt,b/).
     """
+    scalar = (str, int, float, bool)
     if typing.get_origin(typ) is list:
         if isinstance(raw, list):
+            if not all(isinstance(x, scalar) for x in raw):
+                raise UserError(f"--{key} expects a list of plain values, got {raw!r}")
             return [str(x) for x in raw]
+        if not isinstance(raw, scalar):
+            raise UserError(f"--{key} expects a value or a list of them, got {raw!r}")
         return [x for x in str(raw).split(sep) if x] if sep else [str(raw)]
+    if not isinstance(raw, scalar):  # a config file's list, table or null
+        raise UserError(f"--{key} expects a single value, got {raw!r}")
     if typ is bool:
         if isinstance(raw, bool):
             return raw
@@ -331,7 +338,8 @@ def _unknown_key(key: str, valid: Sequence[str]) -> UserError:
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """Flat keys, or [model]/[train]/[sample] tables, from a TOML or JSON file (never executed)."""
+    """Flat keys, or [model]/[compute]/[train]/[sample] tables (a checkpoint's config is laid out
+    so), from a TOML or JSON file (never executed)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file {path} not found (pass an existing .toml or .json file)")
@@ -348,7 +356,7 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise UserError(f"config file {path} must hold a table of settings")
     flat: dict[str, Any] = {}
     for k, v in data.items():
-        if isinstance(v, dict) and k in ("model", "train", "sample"):
+        if isinstance(v, dict) and k in ("model", "compute", "train", "sample"):
             flat.update(v)
         else:
             flat[k] = v
@@ -382,6 +390,9 @@ def build(classes: Sequence[type], argv: Sequence[str], default_preset: str | No
     for k, v in pairs:
         if k == "config":
             for fk, fv in read_config_file(v).items():
+                if fk in ("preset", "config"):
+                    raise UserError(f"config file {v} sets {fk}, which is a command-line flag: pass --{fk}=... "
+                                    f"beside --config (a file holds the settings themselves)")
                 if fk not in types:
                     raise _unknown_key(fk, valid)
                 values[fk] = parse_value(fk, fv, types[fk], seps.get(fk))
@@ -598,15 +609,15 @@ def to_dict(obj: Any) -> dict[str, Any]:
 def model_from_dict(d: dict[str, Any]) -> ModelConfig:
     """Rebuild a ModelConfig from JSON (a checkpoint's), ignoring keys it does not hold: checkpoints
     written before the architecture was split from `ComputeConfig` also stored dtype, dropout, ..."""
-    return validate_model(ModelConfig(**_json_fields(ModelConfig, d)))
+    return validate_model(ModelConfig(**json_fields(ModelConfig, d)))
 
 
 def compute_from_dict(d: dict[str, Any]) -> ComputeConfig:
     """Rebuild a ComputeConfig from JSON (a checkpoint's), ignoring keys it does not hold."""
-    return validate_compute(ComputeConfig(**_json_fields(ComputeConfig, d)))
+    return validate_compute(ComputeConfig(**json_fields(ComputeConfig, d)))
 
 
-def _json_fields(cls: type, d: Any) -> dict[str, Any]:
+def json_fields(cls: type, d: Any) -> dict[str, Any]:
     """The fields of `cls` in JSON object `d`, each of the field's type (a file may have been
     edited: a wrong type is one line here, not a TypeError deep in validation)."""
     if not isinstance(d, dict):
@@ -619,6 +630,8 @@ def _json_fields(cls: type, d: Any) -> dict[str, Any]:
         v = d[name]
         ok = {int: isinstance(v, int) and not isinstance(v, bool), bool: isinstance(v, bool), str: isinstance(v, str),
               float: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(typ, True)
+        if typing.get_origin(typ) is list:
+            ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
         if not ok:
             raise UserError(f"the checkpoint's {cls.__name__} has {name}={v!r}, not {getattr(typ, '__name__', typ)}; "
                             f"the checkpoint metadata was edited or is damaged")

@@ -365,10 +365,10 @@ def _settings_for_resume(saved: dict, c: ComputeConfig, t: TrainConfig,
     """--init_from=resume continues the run as it was: its training and compute settings come
     from the checkpoint, a flag that contradicts one is an error naming both values unless it is
     in RESUME_MAY_CHANGE. Checkpoints from before the settings were saved keep the flags."""
-    from gpt.config import validate_compute, validate_train
+    from gpt.config import json_fields, validate_compute, validate_train
     merged = []
     for cfg, key in ((c, "compute"), (t, "train")):
-        old, updates = _saved(saved, key), {}
+        old, updates = json_fields(type(cfg), _saved(saved, key)), {}
         for f in dataclasses.fields(cfg):
             if f.name not in old or f.name in PER_INVOCATION:
                 continue
@@ -561,7 +561,11 @@ def restore_state(checkpointer: ckpt.Checkpointer, state: State, shards: dict[st
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(lambda: tree), sh)
     step, params, opt_state, meta = checkpointer.restore(abstract(state.params, shards["params"]),
                                                          abstract(state.opt_state, shards["opt_state"]))
-    return State(params, opt_state, step, meta.get("best_val_loss"), state.frozen)
+    best = meta.get("best_val_loss")
+    if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float))):
+        raise UserError(f"the checkpoint of step {step} records best_val_loss={best!r}, not a number; its "
+                        f"metadata was edited or is damaged")
+    return State(params, opt_state, step, best, state.frozen)
 
 
 def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Run, State]:

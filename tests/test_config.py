@@ -100,6 +100,19 @@ def test_config_files_toml_and_json(tmp_path):
         parse([f"--config={bad}"])
     with pytest.raises(UserError, match="not found"):
         parse([f"--config={tmp_path / 'missing.toml'}"])
+    for text, match in (("n_layer = [1, 2]", "--n_layer expects a single value, got \\[1, 2\\]"),
+                        ("learning_rate = [0.1]", "--learning_rate expects a single value"),
+                        ("seed = {a = 1}", "--seed expects a single value"),
+                        ("input = [{a = 1}]", "--input expects a list of plain values"),
+                        ('preset = "tiny"', "sets preset, which is a command-line flag: pass --preset=")):
+        (tmp_path / "t.toml").write_text(text + "\n")
+        with pytest.raises(UserError, match=match):
+            parse([f"--config={tmp_path / 't.toml'}"])
+    (tmp_path / "n.json").write_text(json.dumps({"max_iters": None}))
+    with pytest.raises(UserError, match="--max_iters expects a single value, got None"):
+        parse([f"--config={tmp_path / 'n.json'}"])
+    (tmp_path / "c.toml").write_text("[compute]\ndropout = 0.25\n")  # a checkpoint's layout
+    assert parse([f"--config={tmp_path / 'c.toml'}"])[1].dropout == 0.25
     evil = tmp_path / "evil.py"
     evil.write_text("import os\n")
     with pytest.raises(UserError, match=r"\.toml or \.json"):

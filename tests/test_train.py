@@ -148,6 +148,18 @@ def test_resume_keeps_the_runs_settings(tmp_path, char_data):
         T.prepare_setup(*configs(out, char_data, "--init_from=resume", "--overwrite"))
 
 
+@pytest.mark.parametrize("section,edit", [("train", {"seed": 1.5}), ("train", {"mesh": 5}),
+                                          ("train", {"align_documents": "false"}), ("train", {"input": [3]}),
+                                          ("compute", {"dropout": "0.1"})])
+def test_resume_refuses_edited_settings(section, edit):
+    """A checkpoint's saved settings of the wrong type (metadata edited by hand) are one line, as its
+    model config's are, not a traceback or a silently different run."""
+    m, c, t, explicit = build_train(["--preset=tiny", "--out_dir=o", "--init_from=resume"])
+    saved = {"train": {}, "compute": {}, section: edit}
+    with pytest.raises(UserError, match=f"has {next(iter(edit))}=.*the checkpoint metadata was edited"):
+        T._settings_for_resume(saved, c, t, explicit)
+
+
 def test_bad_inputs(tmp_path, char_data):
     out = tmp_path / "o"
     with pytest.raises(UserError, match="no checkpoint found"):
