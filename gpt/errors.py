@@ -116,6 +116,9 @@ def failure_line(e: BaseException) -> tuple[int, str | None]:
     elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         where = f" while writing {e.filename}" if e.filename else ""
         message = f"{e.strerror}{where}; free space on that disk or choose another output directory"
+    elif isinstance(e, OSError) and e.errno == errno.EROFS:  # a disk remounted read-only mid-run
+        where = f" while writing {e.filename}" if e.filename else ""
+        message = f"{e.strerror}{where}; make that disk writable or choose another output directory"
     elif is_out_of_memory(e):
         message = out_of_memory_message(e)
     elif is_lost_peer(e):  # not this process's bug, nor the user's input

@@ -251,6 +251,7 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
     out = Path(t.out_dir)
     if t.init_from == "resume" and t.overwrite:
         raise UserError("--overwrite starts over and --init_from=resume continues: pass one of them")
+    check_writable_dir(out, "--out_dir")
     text_flags = [f"--{k}" for k in PREPARE_FLAGS if k in explicit]
     if "data_dir" in explicit and text_flags:
         raise UserError(f"--data_dir names data already prepared and tokenized, which {', '.join(text_flags)} "
@@ -288,6 +289,21 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
                         f"({', '.join(ckpt.foreign_entries(out)[:3])}), so --overwrite will not replace it; "
                         f"pick another --out_dir")
     return m, c, t, meta_ck
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """`path` is (or can be made) a directory this process can write into: not a file, under no
+    file, on no read-only or forbidden disk. Checked before anything is prepared or written."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag}={path} is a file, not a directory; pass a directory")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag}={path} lies under {parent}, which is a file; pass a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{flag}={path}: {parent} is not writable (read-only disk or no permission); "
+                        f"pass a directory you can write to")
 
 
 def _with_data(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str], data_dir: Path,

@@ -84,6 +84,9 @@ def test_a_failure_handler_reports_instead(monkeypatch, capsys):
              (OSError(errno.ENOSPC, "No space left on device", "out/x"), 2,
               "No space left on device while writing out/x; free space on that disk or choose another "
               "output directory", None),
+             (OSError(errno.EROFS, "Read-only file system", "out/m"), 2,
+              "Read-only file system while writing out/m; make that disk writable or choose another "
+              "output directory", None),
              (RuntimeError("a\nbug"), 1, "RuntimeError: a bug", "Traceback"),
              (KeyboardInterrupt(), 130, "interrupted", "interrupted\n")]
     for exc, status, line, printed in cases:

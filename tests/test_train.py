@@ -172,6 +172,21 @@ def test_bad_inputs(tmp_path, char_data):
     with pytest.raises(UserError, match="fewer|tokens"):
         run(tmp_path / "p", char_data, "--block_size=100000")
     run(out, char_data, "--max_iters=2", "--eval_interval=2", "--overwrite")  # allowed
+    (tmp_path / "f").write_text("a file")
+    with pytest.raises(UserError, match=r"--out_dir=.*f is a file, not a directory"):
+        run(tmp_path / "f", char_data)
+    with pytest.raises(UserError, match=r"--out_dir=.*f/sub lies under .*f, which is a file"):
+        run(tmp_path / "f" / "sub", char_data)
+
+
+def test_unwritable_out_dir_is_one_line(tmp_path, char_data, monkeypatch):
+    """A read-only disk or a folder without permission (the tests run as root, who passes any
+    permission check, so access() is made to say no) is refused before anything is prepared."""
+    monkeypatch.setattr(T.os, "access", lambda path, mode: False)
+    with pytest.raises(UserError, match=r"--out_dir=.*new/run: .* is not writable \(read-only disk or no "
+                                        r"permission\)"):
+        run(tmp_path / "new" / "run", char_data)
+    assert not (tmp_path / "new").exists()
 
 
 def _cli(*args, **kw):
