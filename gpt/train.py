@@ -736,17 +736,27 @@ class Progress:
         self.t0 = self.t_mark = time.perf_counter()
         self.tokens = 0
 
+    def compiled(self) -> None:
+        """The first step's call has returned, so its compilation is done: throughput is timed
+        from here, without that step's tokens (as nanoGPT leaves its first steps out of MFU)."""
+        self.t_mark, self.tokens = time.perf_counter(), 0
+
     def rate(self, through: metrics_lib.Throughput) -> dict[str, float | None]:
+        """Throughput since the last call; all None for an interval of no timed step (a log at
+        the first step)."""
         now = time.perf_counter()
         rate = through(self.tokens, now - self.t_mark)
+        if not self.tokens:
+            rate = dict.fromkeys(rate)
         self.t_mark, self.tokens = now, 0
         return rate
 
     def show(self, host: dict, rate: dict) -> None:
         if self.bar is not None:
             mfu = f"{100 * rate['mfu']:.1f}%" if rate["mfu"] is not None else "-"
-            self.bar.set_postfix_str(f"loss {host['loss']:.4f} lr {host['lr']:.2e} tok/s "
-                                     f"{rate['tokens_per_sec']:,.0f} mfu {mfu}", refresh=False)
+            tps = f"{rate['tokens_per_sec']:,.0f}" if rate["tokens_per_sec"] is not None else "-"
+            self.bar.set_postfix_str(f"loss {host['loss']:.4f} lr {host['lr']:.2e} tok/s {tps} mfu {mfu}",
+                                     refresh=False)
 
     def write(self, msg: str) -> None:
         self.bar.write(msg, file=sys.stderr) if self.bar is not None else self.log(msg)
@@ -830,6 +840,9 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
     state_b = sharding.state_bytes((state.params, state.opt_state, state.frozen))[0]
     summary: dict[str, Any] = {"start_step": state.step, "train_losses": [], "state_bytes": state_b,
                                "trainable_params": lora_lib.count(state.params)}
+    if state.step >= t.max_iters:
+        log(f"the run in {out} is already at step {state.step} (--max_iters={t.max_iters}): nothing to train; "
+            f"pass a larger --max_iters to go on")
     stop, prog = StopFlag(), Progress(t, state.step, log)
     x, y = next_batch(run)
     try:
@@ -838,6 +851,8 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
                 state.params, state.opt_state, state.step, x, y, state.frozen)
             state.step += 1
             prog.tokens += tokens_per_step
+            if state.step == summary["start_step"] + 1:
+                prog.compiled()
             last = state.step == t.max_iters
             if not last:
                 x, y = next_batch(run)  # prefetch while the step runs (GPU/TPU; on CPU it has run)

@@ -146,6 +146,9 @@ def test_resume_keeps_the_runs_settings(tmp_path, char_data):
     assert (s.train_cfg.max_iters, s.train_cfg.lr_decay_iters, s.train_cfg.keep_checkpoints) == (3, 50, 7)
     with pytest.raises(UserError, match="pass one of them"):
         T.prepare_setup(*configs(out, char_data, "--init_from=resume", "--overwrite"))
+    said = []  # a run already at its --max_iters says so instead of ending in silence
+    T.train(T.prepare_setup(*configs(tmp_path / "p", char_data, "--init_from=resume")), log=said.append)
+    assert any("already at step 3 (--max_iters=3): nothing to train" in line for line in said)
 
 
 @pytest.mark.parametrize("section,edit", [("train", {"seed": 1.5}), ("train", {"mesh": 5}),
@@ -372,3 +375,16 @@ def test_data_must_be_tokenized_as_the_model_was(tmp_path, char_data):
     flags = ["--preset=tiny", f"--out_dir={out}", "--init_from=resume", f"--input={lower}"]
     _, _, t, _ = T._starting_point(*build_train(flags))
     assert t.data_dir == "" and t.input == [str(lower)]  # the saved --data_dir gives way
+
+
+def test_throughput_leaves_out_the_first_steps_compilation():
+    """The first step's call compiles it: tokens/s and MFU are timed from its return, and a log at
+    that step has no throughput (null), not a figure a hundred times too low."""
+    from gpt.metrics import Throughput
+    _, _, t, _ = build_train(["--preset=tiny", "--no_progress"])
+    prog, through = T.Progress(t, 0, print), Throughput(6e6, 1.0, 2.0)
+    prog.tokens += 128
+    prog.compiled()
+    assert prog.rate(through) == dict.fromkeys(["tokens_per_sec", "model_tflops", "mfu", "mfu_vendor"])
+    prog.tokens += 128
+    assert prog.rate(through)["tokens_per_sec"] > 0
