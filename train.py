@@ -23,7 +23,8 @@ def main(argv: Sequence[str]) -> int:
     setup = train.prepare_setup(model_cfg, compute_cfg, train_cfg, explicit)
     summary = train.train(setup)
     if "val_loss" in summary:
-        sharding.log(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f}, "
+        at = f" (at step {summary['val_step']})" if summary.get("val_step") != summary["step"] else ""
+        sharding.log(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f}{at}, "
                      f"best {summary['best_val_loss']:.4f}, {summary['elapsed_sec']:.0f}s; "
                      f"checkpoints in {train_cfg.out_dir}/checkpoints")
     return 0

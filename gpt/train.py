@@ -210,15 +210,16 @@ def _arch_diff(a: ModelConfig, b: ModelConfig, keys) -> list[str]:
             for k in keys if getattr(a, k) != getattr(b, k)]
 
 
-def _model_for_checkpoint(ckpt_model: ModelConfig, flags: ModelConfig, explicit: set[str]
-                          ) -> ModelConfig:
+def _model_for_checkpoint(ckpt_model: ModelConfig, flags: ModelConfig, explicit: set[str],
+                          resuming: bool = False) -> ModelConfig:
     """The checkpoint fixes the architecture: a flag that asks for another one is an error (how the
     model is run, ComputeConfig, always follows the flags)."""
     keys = [f.name for f in dataclasses.fields(ModelConfig) if f.name in explicit]
     diff = _arch_diff(ckpt_model, flags, keys)
     if diff:
-        raise UserError(f"the checkpoint's model differs from the flags: {'; '.join(diff)} "
-                        f"(drop those flags or use a new --out_dir)")
+        fix = ("drop those flags, or train another model in a new --out_dir" if resuming else
+               "drop those flags: a model trained from these weights keeps their architecture")
+        raise UserError(f"the checkpoint's model differs from the flags: {'; '.join(diff)} ({fix})")
     return ckpt_model
 
 
@@ -273,7 +274,7 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
             origin = meta_ck.get("source") or (meta_ck.get("merged_from") or {}).get("path", "another run")
             raise UserError(f"{out} holds a checkpoint converted from {origin}, which has no training state to "
                             f"resume (it is intact); fine-tune it with --init_from={out} and a new --out_dir")
-        m = _model_for_checkpoint(model_from_dict(meta_ck["config"]["model"]), m, explicit)
+        m = _model_for_checkpoint(model_from_dict(meta_ck["config"]["model"]), m, explicit, resuming=True)
         c, t = _settings_for_resume(meta_ck["config"], c, t, explicit)
         if "input" in explicit and "data_dir" not in explicit:  # the flag wins over the saved data
             t = dataclasses.replace(t, data_dir="")
@@ -863,7 +864,7 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
             if at_log or at_eval or at_ckpt:
                 loss, ev = log_and_evaluate(run, state, metrics, prog, at_log, at_eval)
                 summary["train_losses"].append((state.step, loss))
-                summary.update(ev or {})
+                summary.update(ev or {}, **({"val_step": state.step} if ev else {}))
                 if at_ckpt:
                     check_savable(state)
                     save(run, state, ev["val_loss"] if ev else None)
