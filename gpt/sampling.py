@@ -5,12 +5,14 @@
 `lax.scan`, so nothing is retraced per token. Both are pure functions of arrays, usable inside other
 JAX code; `Sampler` jits them once per settings and decodes in chunks for streaming.
 
-Past `block_size`, every new token is conditioned on the last `block_size` tokens. With learned or
+Past `block_size`, every new token attends to the last `block_size` tokens. With learned or
 sinusoidal positions the sampler does what nanoGPT does: the window is recomputed at positions
 0..block_size-1 for each token (they shift with each token, so the cache cannot be reused; a
 `lax.cond` branch). With RoPE or no position embedding attention depends only on relative
-positions, so the cache simply becomes a ring of the last `block_size` tokens at their absolute
-positions (see `KVCache`) and decoding stays one cached step per token.
+positions, so the cache becomes a ring of the last `block_size` tokens at their absolute positions
+(see `KVCache`) and decoding stays one cached step per token. That is sliding-window attention of
+width block_size in every layer, as Mistral's: a deeper layer still carries, through the keys it
+attends to, what has left the window. A longer prompt goes through the same window (`fill_cache`).
 """
 from __future__ import annotations
 
@@ -132,20 +134,58 @@ def _window_logits(model: GPT, tokens_BN: jax.Array, start_B: jax.Array, end: ja
     return logits_BWV[:, -1]
 
 
+def fill_cache(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, slots: int, dtype
+               ) -> tuple[jax.Array, KVCache]:
+    """(the last prompt token's logits [B, V], a cache of `slots` slots holding the prompts) for
+    left-padded prompts whose real tokens start at start_B. A prompt longer than block_size is
+    cropped to its last block_size tokens, as nanoGPT does, unless the cache rolls: there
+    decoding is sliding-window attention of width block_size in every layer (as Mistral's), and
+    the prompt goes through the same window (`_windowed_fill`), so where a prompt ends and
+    generation begins changes nothing."""
+    B, P = prompt_BP.shape
+    W = model.cfg.block_size
+    if rolls(model.cfg) and P > W:
+        return _windowed_fill(model, prompt_BP, start_B, slots, dtype)
+    P0 = min(P, W)
+    cache = init_cache(model.cfg, B, slots, dtype, jnp.clip(start_B - (P - P0), 0, slots - 1))
+    logits_BPV, cache = model(prompt_BP[:, P - P0:], cache=cache)
+    return logits_BPV[:, -1], cache
+
+
+def _windowed_fill(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, slots: int, dtype
+                   ) -> tuple[jax.Array, KVCache]:
+    """`fill_cache` for a rolling cache and a prompt longer than its window W = block_size: the
+    prompt in chunks of W (a shorter one first) through a ring of 2W slots with a per-row index
+    (a chunk may wrap it), so every query sees the W tokens up to its own; then the newest tokens
+    moved into a ring of `slots` (>= W), token t at slot t mod slots, with the shared index P."""
+    B, P = prompt_BP.shape
+    W = model.cfg.block_size
+    ring = init_cache(model.cfg, B, 2 * W, dtype, start_B)._replace(index=jnp.zeros((B,), jnp.int32))
+    first = P % W or W
+    logits_BTV, ring = model(prompt_BP[:, :first], cache=ring)
+    chunks_CBW = prompt_BP[:, first:].reshape(B, -1, W).transpose(1, 0, 2)
+
+    def chunk(ring: KVCache, x_BW: jax.Array) -> tuple[KVCache, jax.Array]:
+        logits_BWV, ring = model(x_BW, cache=ring)
+        return ring, logits_BWV[:, -1]
+
+    ring, last_CBV = jax.lax.scan(chunk, ring, chunks_CBW)
+    held_S = (P - 1) - jnp.mod(P - 1 - jnp.arange(slots), slots)  # the token each new slot holds
+    from_S = jnp.mod(held_S, 2 * W)
+    cache = KVCache(jnp.take(ring.k_LBGKS, from_S, axis=-1), jnp.take(ring.v_LBGSK, from_S, axis=-2),
+                    jnp.array(P, jnp.int32), start_B)
+    return (last_CBV[-1] if chunks_CBW.shape[0] else logits_BTV[:, -1]), cache
+
+
 def prefill(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, key: jax.Array,
             max_new_tokens: int, cache_dtype=None) -> DecodeState:
     """Fill the cache with the prompts (left-padded; row b's real tokens start at start_B[b])."""
     B, P = prompt_BP.shape
-    W = model.cfg.block_size
-    P0 = min(P, W)  # a longer prompt is cropped to its last block_size tokens
-    S = min(P + max_new_tokens, W)
-    N = P + max_new_tokens
-    tokens_BN = jnp.zeros((B, N), jnp.int32).at[:, :P].set(prompt_BP.astype(jnp.int32))
+    S = min(P + max_new_tokens, model.cfg.block_size)
+    tokens_BN = jnp.zeros((B, P + max_new_tokens), jnp.int32).at[:, :P].set(prompt_BP.astype(jnp.int32))
     start_B = start_B.astype(jnp.int32)
-    cache = init_cache(model.cfg, B, S, cache_dtype or model.rt.dtype,
-                       jnp.clip(start_B - (P - P0), 0, S - 1))
-    logits_BPV, cache = model(prompt_BP[:, P - P0:], cache=cache)
-    return DecodeState(tokens_BN, start_B, cache, logits_BPV[:, -1], jnp.array(P, jnp.int32),
+    last_BV, cache = fill_cache(model, prompt_BP, start_B, S, cache_dtype or model.rt.dtype)
+    return DecodeState(tokens_BN, start_B, cache, last_BV, jnp.array(P, jnp.int32),
                        jnp.zeros((B,), bool), key)
 
 

@@ -38,7 +38,7 @@ from flax import nnx
 
 from gpt.config import MAX_DRAFT_TOKENS
 from gpt.model import GPT, KVCache, for_decoding, init_cache
-from gpt.sampling import SamplingSettings, filter_logits, left_pad, rolls, sample_token
+from gpt.sampling import SamplingSettings, fill_cache, filter_logits, left_pad, rolls, sample_token
 
 
 class SpecState(NamedTuple):
@@ -113,14 +113,12 @@ def cache_slots(cfg, context: int, k: int) -> int:
 
 def prefill_cache(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, max_new_tokens: int, k: int,
                   behind: int) -> KVCache:
-    """A per-row cache filled with the (cropped) prompts, its index set `behind` tokens back: those
-    are fed again by the first round."""
+    """A per-row cache filled with the prompts as plain sampling fills it (`fill_cache`), its index
+    set `behind` tokens back: those are fed again by the first round."""
     B, P = prompt_BP.shape
-    P0 = min(P, model.cfg.block_size)  # a longer prompt is cropped to its last block_size tokens
-    S = cache_slots(model.cfg, P0 + max_new_tokens, k)
-    cache = init_cache(model.cfg, B, S, model.rt.dtype, jnp.clip(start_B - (P - P0), 0, S - 1))
-    _, cache = model(prompt_BP[:, P - P0:], cache=cache)
-    return cache._replace(index=jnp.full((B,), P0 - behind, jnp.int32))
+    S = cache_slots(model.cfg, min(P, model.cfg.block_size) + max_new_tokens, k)
+    _, cache = fill_cache(model, prompt_BP, start_B, S, model.rt.dtype)
+    return cache._replace(index=jnp.broadcast_to(cache.index - behind, (B,)).astype(jnp.int32))
 
 
 def always_fits(cache: KVCache, cfg) -> bool:

@@ -85,12 +85,15 @@ def test_llama_family_parity_and_round_trip(tmp_path, name):
     assert np.array_equal(torch_logits(back, idx), ref)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3"])
-def test_greedy_continuation_equals_generate(tmp_path, name):
+@pytest.mark.parametrize("name,length", [("llama-gqa", 5), ("qwen3", 5), ("mistral", 90)])
+def test_greedy_continuation_equals_generate(tmp_path, name, length):
+    """Greedy decoding equals transformers' generate; for Mistral, whose sliding window is its
+    64-token context, a 90-token prompt and its continuation too: the prompt goes through the
+    window as decoding does (gpt.sampling.fill_cache), as HF's sliding-window attention has it."""
     from gpt.sampling import Sampler, SamplingSettings
     model = make_hf(tmp_path / "hf", name, seed=1)
     cfg, params = convert.load_hf(tmp_path / "hf")
-    prompt = [5, 17, 42, 7, 99]
+    prompt = [5, 17, 42, 7, 99] if length == 5 else np.random.default_rng(2).integers(0, V, length).tolist()
     with torch.no_grad():
         want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()

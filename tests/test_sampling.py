@@ -56,9 +56,33 @@ def test_past_block_size_matches_nanogpt_crop():
     got = Sampler(model, greedy(40), chunk=8).generate(prompts, jax.random.key(0))
     for p, row in zip(prompts, got):
         assert row == full_recompute_generate(model, p, jax.random.key(0), greedy(40))
-    long_prompt = list(range(1, 30))  # longer than block_size: cropped like nanoGPT
+    long_prompt = list(range(1, 30))  # longer than block_size: cropped like nanoGPT (learned positions)
     got = Sampler(model, greedy(10)).generate([long_prompt], jax.random.key(0))[0]
     assert got == full_recompute_generate(model, long_prompt, jax.random.key(0), greedy(10))
+
+
+@pytest.mark.parametrize("pos", ["rope", "none"])
+def test_rolling_cache_takes_a_long_prompt_through_its_window(pos):
+    """A model whose cache rolls decodes with sliding-window attention of width block_size in every
+    layer (deeper layers carry what left the window, as in Mistral); a prompt longer than that goes
+    through the same window: its last logits equal feeding it one token at a time through a ring,
+    rows of other lengths included, and where the prompt ends and generation begins changes nothing."""
+    from gpt.sampling import fill_cache
+    model = GPT(tiny_model_config(block_size=16, pos_embedding=pos, n_layer=3), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 65, 40).tolist(), rng.integers(0, 65, 23).tolist()]
+    prompt_BP, start_B = left_pad(prompts)
+    last_BV, cache = fill_cache(model, prompt_BP, start_B, 16, jnp.float32)
+    assert cache.slots == 16 and int(cache.index) == 40
+    for b, p in enumerate(prompts):
+        ring = init_cache(model.cfg, 1, 16, jnp.float32)
+        for t in p:
+            logits, ring = model(jnp.array([[t]]), cache=ring)
+        np.testing.assert_allclose(last_BV[b, :65], logits[0, -1, :65], atol=1e-5)
+    one = Sampler(model, greedy(16)).generate(prompts, jax.random.key(0))
+    half = Sampler(model, greedy(8)).generate(prompts, jax.random.key(0))
+    rest = Sampler(model, greedy(8)).generate([p + h for p, h in zip(prompts, half)], jax.random.key(0))
+    assert one == [h + r for h, r in zip(half, rest)]
 
 
 @pytest.mark.parametrize("pos", ["learned", "none"])
