@@ -589,6 +589,10 @@ class GPT(nnx.Module):
             raise ValueError("dropout with a KV cache: cached calls are for inference (no dropout_key)")
         if cache is not None and T > cache.slots:
             raise ValueError(f"{T} tokens do not fit a KV cache of {cache.slots} slots")
+        if cfg.pos_embedding == "learned" and max(T, cache.slots if cache else 0) > cfg.block_size:
+            raise ValueError(f"{T} tokens (a cache of {cache.slots if cache else 0} slots) exceed block_size "
+                             f"{cfg.block_size}, the learned position table's length: crop to the last "
+                             f"block_size tokens, as gpt.sampling does")
         positions_BT, mask_BTS = cache_positions(cache, B, T, cfg.block_size)
         # The residual stream is float32 whatever dtype the weights are held in, unless the run
         # keeps it in the compute dtype (`Runtime.residual`); the embeddings are summed in float32.

@@ -326,6 +326,17 @@ def test_modern_params_flops_and_bad_shapes():
             validate_model(tiny_model_config(**kw))
 
 
+def test_learned_positions_refuse_more_than_block_size():
+    """The learned position table has block_size rows: a longer call would silently reuse the last
+    row (a gather clamps), so it is refused as nanoGPT's assert does; RoPE has no such table."""
+    model = make(tiny_model_config(block_size=8))
+    with pytest.raises(ValueError, match="12 tokens .* exceed block_size 8"):
+        model(jnp.zeros((1, 12), jnp.int32))
+    with pytest.raises(ValueError, match="a cache of 12 slots"):
+        model(jnp.zeros((1, 1), jnp.int32), cache=M.init_cache(model.cfg, 1, 12, jnp.float32))
+    make(tiny_model_config(block_size=8, pos_embedding="rope"))(jnp.zeros((1, 12), jnp.int32))
+
+
 def test_rope_scaling_frequencies():
     """Linear scaling divides every frequency; Llama 3's keeps the short wavelengths, divides the
     long ones and blends the ones between (the HF parity lives in test_convert_llama.py)."""
