@@ -380,7 +380,7 @@ def part_curve(r: Runner, sz: dict) -> dict:
     train = [(x["step"], round(x["loss"], 4)) for x in recs if x.get("kind") == "train"]
     evals = [(x["step"], round(x["train_loss"], 4), round(x["val_loss"], 4))
              for x in recs if x.get("kind") == "eval"]
-    tps = [x["tokens_per_sec"] for x in recs if x.get("kind") == "train"][1:]
+    tps = [x["tokens_per_sec"] for x in recs if x.get("kind") == "train" and x.get("tokens_per_sec")]
     return {"exit": rc, "wall_sec": sec, "train_loss": train, "eval": evals,
             "tokens_per_sec_median": sorted(tps)[len(tps) // 2] if tps else None,
             **({} if rc == 0 else {"error": why_failed(rc, text)})}

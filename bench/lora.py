@@ -16,8 +16,8 @@ alpha / rank and usually wants a larger rate).
 Reported per run: the final val loss of the training loop (random windows of the new domain's
 val split), the loss over the whole val text (`gpt.evaluate`'s windows; also for the base, with
 no fine-tuning), trainable parameters, params+optimizer bytes (the frozen base included for
-LoRA), and the median step time (from metrics.jsonl, the first log interval left out: it holds
-the compilation). The base in DIR/base is reused when it is there (delete it to retrain). The
+LoRA), and the median step time (from metrics.jsonl, timed by train.py from the end of the first,
+compiling step). The base in DIR/base is reused when it is there (delete it to retrain). The
 last line printed is one JSON object. Small check: --base_iters=20 --iters=10 --eval_iters=2.
 """
 from __future__ import annotations
@@ -60,9 +60,10 @@ def train_run(argv: list[str]) -> dict:
 
 
 def step_ms(out: Path, tokens_per_step: int) -> float | None:
-    """Median step time from metrics.jsonl's train records, the first (compilation) left out."""
+    """Median step time from metrics.jsonl's train records (train.py leaves the first step, which
+    compiles, out of them)."""
     rates = [r["tokens_per_sec"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-             if r.get("kind") == "train" and r.get("tokens_per_sec")][1:]
+             if r.get("kind") == "train" and r.get("tokens_per_sec")]
     return 1e3 * tokens_per_step / statistics.median(rates) if rates else None
 
 

@@ -12,7 +12,7 @@ both counts are reported) and the same FLOPs per token.
 
 Reported per model (mean and standard deviation over the seeds): the final val loss of the training
 loop (eval_iters random windows of the val split; evaluation never drops tokens), the median step
-time (from metrics.jsonl's tokens/s, the first log interval left out: it holds the compilation),
+time (from metrics.jsonl's tokens/s, which train.py times from the end of the first, compiling step),
 total and active parameters, and for the MoE model the load balance over the last 10% of the train
 records: the busiest expert's share times E (1.0: perfectly even; the worst layer), the auxiliary
 load-balancing loss (1.0 when uniform) and the share of token choices dropped by capacity. A
@@ -74,8 +74,9 @@ def train_run(argv: list[str]) -> tuple[dict, object]:
 
 
 def step_ms(records: list[dict], tokens_per_step: int) -> float | None:
-    """Median step time from the train records' tokens/s, the first (compilation) left out."""
-    rates = [r["tokens_per_sec"] for r in records if r.get("tokens_per_sec")][1:]
+    """Median step time from the train records' tokens/s (train.py leaves the first step, which
+    compiles, out of them)."""
+    rates = [r["tokens_per_sec"] for r in records if r.get("tokens_per_sec")]
     return 1e3 * tokens_per_step / statistics.median(rates) if rates else None
 
 

@@ -338,8 +338,8 @@ def _unknown_key(key: str, valid: Sequence[str]) -> UserError:
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """Flat keys, or [model]/[compute]/[train]/[sample] tables (a checkpoint's config is laid out
-    so), from a TOML or JSON file (never executed)."""
+    """Flat keys, or [model]/[compute]/[train]/[sample] tables (the sections of a checkpoint's
+    config), from a TOML or JSON file (never executed)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"config file {path} not found (pass an existing .toml or .json file)")

@@ -62,9 +62,7 @@ def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
                        rope_high_freq_factor=float(get("high_freq_factor")),
                        rope_original_context=get("original_max_position_embeddings"))
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise UserError(f"{where}: rope_theta={theta!r} must be a positive number")
-    return {"rope_theta": float(theta), **out}
+    return {"rope_theta": float(_number({"rope_theta": theta}, "rope_theta", where)), **out}
 
 
 def hf_rope(cfg: ModelConfig) -> dict[str, Any]:

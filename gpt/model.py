@@ -147,6 +147,12 @@ def sinusoidal(positions: jax.Array, dim: int) -> jax.Array:
     return jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1).reshape(*positions.shape, dim)
 
 
+def slot_tokens(last: jax.Array, slots: int) -> jax.Array:
+    """The token number each of a ring's `slots` holds once token `last` is written (token i
+    goes to slot i mod slots; negative: none yet). `last` may have a leading axis."""
+    return last - jnp.mod(last - jnp.arange(slots), slots)
+
+
 def cache_positions(cache: KVCache | None, B: int, T: int, window: int
                     ) -> tuple[jax.Array, jax.Array | None]:
     """Positions [B, T] of this call's tokens, and (with a cache) which slots each query sees
@@ -158,8 +164,7 @@ def cache_positions(cache: KVCache | None, B: int, T: int, window: int
     window = min(window, S)
     index_x = cache.index if jnp.ndim(cache.index) == 0 else cache.index[:, None]
     query_xT = index_x + jnp.arange(T)  # token numbers of this call's queries
-    last_x = index_x + T - 1
-    held_xS = last_x - jnp.mod(last_x - jnp.arange(S), S)  # the token each slot holds after this write
+    held_xS = slot_tokens(index_x + T - 1, S)  # the token each slot holds after this write
     positions_BT = jnp.maximum(query_xT - cache.start_B[:, None], 0)
     held_xTS, query_xTS = held_xS[..., None, :], query_xT[..., :, None]
     mask_BTS = (held_xTS <= query_xTS) & (held_xTS > query_xTS - window) & (held_xTS >= 0) & \

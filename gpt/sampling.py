@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gpt.errors import UserError
-from gpt.model import GPT, KVCache, decode_kernels_problem, for_decoding, init_cache
+from gpt.model import GPT, KVCache, decode_kernels_problem, for_decoding, init_cache, slot_tokens
 from gpt.runtime import decode_kernels_on
 
 
@@ -170,8 +170,7 @@ def _windowed_fill(model: GPT, prompt_BP: jax.Array, start_B: jax.Array, slots: 
         return ring, logits_BWV[:, -1]
 
     ring, last_CBV = jax.lax.scan(chunk, ring, chunks_CBW)
-    held_S = (P - 1) - jnp.mod(P - 1 - jnp.arange(slots), slots)  # the token each new slot holds
-    from_S = jnp.mod(held_S, 2 * W)
+    from_S = jnp.mod(slot_tokens(jnp.array(P - 1), slots), 2 * W)  # where each new slot's token is
     cache = KVCache(jnp.take(ring.k_LBGKS, from_S, axis=-1), jnp.take(ring.v_LBGSK, from_S, axis=-2),
                     jnp.array(P, jnp.int32), start_B)
     return (last_CBV[-1] if chunks_CBW.shape[0] else logits_BTV[:, -1]), cache

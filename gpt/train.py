@@ -254,7 +254,8 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
         raise UserError("--overwrite starts over and --init_from=resume continues: pass one of them")
     check_writable_dir(out, "--out_dir")
     text_flags = [f"--{k}" for k in PREPARE_FLAGS if k in explicit]
-    if "data_dir" in explicit and text_flags:
+    named_dir = "data_dir" in explicit and bool(t.data_dir)  # --data_dir="" names none
+    if named_dir and text_flags:
         raise UserError(f"--data_dir names data already prepared and tokenized, which {', '.join(text_flags)} "
                         f"would not change; pass --data_dir alone, or --input with its preparation flags")
     if t.init_from not in ("scratch", "resume", "gpt2") and Path(t.init_from).resolve() == out.resolve():
@@ -276,9 +277,9 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
                             f"resume (it is intact); fine-tune it with --init_from={out} and a new --out_dir")
         m = _model_for_checkpoint(model_from_dict(meta_ck["config"]["model"]), m, explicit, resuming=True)
         c, t = _settings_for_resume(meta_ck["config"], c, t, explicit)
-        if "input" in explicit and "data_dir" not in explicit:  # the flag wins over the saved data
+        if "input" in explicit and not named_dir:  # the flag wins over the saved data
             t = dataclasses.replace(t, data_dir="")
-        elif "data_dir" in explicit:
+        elif named_dir:
             t = dataclasses.replace(t, input=[])
         elif not t.data_dir and not t.input and isinstance(meta_ck.get("data_dir"), str):
             t = dataclasses.replace(t, data_dir=meta_ck["data_dir"])
@@ -738,8 +739,8 @@ class Progress:
         self.tokens = 0
 
     def compiled(self) -> None:
-        """The first step's call has returned, so its compilation is done: throughput is timed
-        from here, without that step's tokens (as nanoGPT leaves its first steps out of MFU)."""
+        """The first step has compiled and run: throughput is timed from here, without that
+        step's tokens (as nanoGPT leaves its first steps out of MFU)."""
         self.t_mark, self.tokens = time.perf_counter(), 0
 
     def rate(self, through: metrics_lib.Throughput) -> dict[str, float | None]:
@@ -852,7 +853,8 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
                 state.params, state.opt_state, state.step, x, y, state.frozen)
             state.step += 1
             prog.tokens += tokens_per_step
-            if state.step == summary["start_step"] + 1:
+            if state.step == summary["start_step"] + 1:  # compiled, and (once) waited for
+                jax.block_until_ready(metrics)
                 prog.compiled()
             last = state.step == t.max_iters
             if not last:

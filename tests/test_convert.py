@@ -217,6 +217,10 @@ def test_gpt2_sized_vocabulary_with_a_tokenizer_of_its_own(hf, tmp_path):
     gpt2_tokenizer_json(tmp_path / "same")
     assert convert.hf_dir_tokenizer(tmp_path / "same", cfg)[0]["kind"] == "gpt2"
     assert is_gpt2(Tokenizer.from_file(str(tmp_path / "same" / "tokenizer.json")))
+    pad = {"id": 50257, "content": "[PAD]", "single_word": False, "lstrip": False, "rstrip": False,
+           "normalized": False, "special": True}  # added for batching: GPT-2's all the same
+    gpt2_tokenizer_json(tmp_path / "padded", lambda spec: spec["added_tokens"].append(pad))
+    assert convert.hf_dir_tokenizer(tmp_path / "padded", cfg)[0]["kind"] == "gpt2"
     gpt2_tokenizer_json(tmp_path / "nomerges", lambda spec: spec["model"].update(merges=[]))
     assert convert.hf_dir_tokenizer(tmp_path / "nomerges", cfg)[0]["kind"] == "hf"
 

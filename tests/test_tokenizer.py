@@ -233,6 +233,27 @@ def test_hf_tokenizer_matches_transformers(hf_dir, tmp_path):
     assert plain.encode_prompt(SAMPLES[1]) == plain.encode(SAMPLES[1]) == tok.encode(SAMPLES[1])
 
 
+def test_data_tokenizer_checked_against_the_models(tmp_path, capsys):
+    """The text's ids must be the model's (another file, vocabulary or kind is one line naming what
+    differs); another end-of-text id only separates documents otherwise (a warning); the extra EOS
+    ids and the prompt template change no prepared data (nor the data cache's key)."""
+    from gpt.tokenizer import check_data_tokenizer, identity
+    model = {"kind": "hf", "file": "tokenizer.json", "sha256": "a" * 64, "vocab_size": 290, "bos_id": 1,
+             "eot_id": 2, "stop_ids": [0], "prompt_template": True}
+    check_data_tokenizer(model, {**model, "file": "x.json", "stop_ids": [], "prompt_template": False}, "m", "fix")
+    check_data_tokenizer(model, {**model, "eot_id": None, "bos_id": None}, "the model in ck", "fix")
+    assert "separates documents with end-of-text id None, the model in ck with 2" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"hf \(290 tokens\) but m with hf \(290 tokens\) \(they differ in "
+                                        r"sha256\); fix"):
+        check_data_tokenizer(model, {**model, "sha256": "b" * 64}, "m", "fix")
+    check_data_tokenizer(None, model, "an HF folder without tokenizer.json", "fix")
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d, eos in ((one, 2), (two, [2, 0])):
+        make_hf_tokenizer(d, vocab_size=260)
+        (d / "config.json").write_text(json.dumps({"eos_token_id": eos}))
+    assert identity(f"hf:{one}") == identity(f"hf:{two}")
+
+
 def test_hf_tokenizer_ids_from_tokenizer_config(tmp_path):
     d = tmp_path / "m"
     make_hf_tokenizer(d)

@@ -362,11 +362,12 @@ def test_data_must_be_tokenized_as_the_model_was(tmp_path, char_data):
     out = tmp_path / "o"
     run(out, char_data, "--max_iters=2", "--eval_interval=2")
     with pytest.raises(UserError, match=r"the data is tokenized with char \(\d+ tokens\) but the run in .*o was "
-                                        r"trained with char \(\d+ tokens\); pass the data it was trained on "
+                                        r"trained with char \(\d+ tokens\) \(they differ in chars, vocab_size\); "
+                                        r"pass the data it was trained on "
                                         r"\(--data_dir=.*prepared\)"):
         T.prepare_setup(*configs(out, tmp_path / "lower", "--init_from=resume", "--max_iters=4"))
-    with pytest.raises(UserError, match=r"but the model in .*o with char \(\d+ tokens\); prepare the data "
-                                        r"with the same tokenizer"):
+    with pytest.raises(UserError, match=r"but the model in .*o with char \(\d+ tokens\) \(they differ in chars, "
+                                        r"vocab_size\); prepare the data with the same tokenizer"):
         T.prepare_setup(*configs(tmp_path / "p", tmp_path / "lower", f"--init_from={out}"))
     T.prepare_setup(*configs(tmp_path / "p", char_data, f"--init_from={out}"))  # the same alphabet
     with pytest.raises(UserError, match="--data_dir names data already prepared and tokenized, which "
@@ -375,6 +376,8 @@ def test_data_must_be_tokenized_as_the_model_was(tmp_path, char_data):
     flags = ["--preset=tiny", f"--out_dir={out}", "--init_from=resume", f"--input={lower}"]
     _, _, t, _ = T._starting_point(*build_train(flags))
     assert t.data_dir == "" and t.input == [str(lower)]  # the saved --data_dir gives way
+    _, _, t, _ = T._starting_point(*build_train(flags + ["--data_dir=", "--tokenizer=char"]))
+    assert t.data_dir == "" and t.input == [str(lower)]  # an empty --data_dir names no data
 
 
 def test_throughput_leaves_out_the_first_steps_compilation():
