@@ -333,10 +333,13 @@ def is_gpt2(hf) -> bool:
     """Whether a Hugging Face `tokenizers.Tokenizer` is GPT-2's own: every one of its 50,257 tokens
     at GPT-2's id, and a probe text encoded to the same ids (so its merges and pre-tokenizer too).
     A community GPT-2 trained from scratch often keeps the size, 50,257, with a BPE of its own.
-    Tokens added past GPT-2's (a pad token for batching) do not count: ordinary text never
-    encodes to them."""
+    Special tokens added past GPT-2's (a pad token for batching) do not count: ordinary text never
+    encodes to them (an added token that is not special, or a longer BPE, would)."""
     enc = _gpt2_encoding()
     if hf.get_vocab_size(with_added_tokens=True) < 50257 or hf.token_to_id(EOT) != enc.eot_token:
+        return False
+    if hf.get_vocab_size(with_added_tokens=False) > 50257 or not all(
+            t.special for i, t in hf.get_added_tokens_decoder().items() if i != enc.eot_token):
         return False
     table = bytes_to_unicode()
     vocab = hf.get_vocab(with_added_tokens=True)
@@ -375,43 +378,42 @@ def load_tokenizer(spec: dict, base_dir: str | Path) -> Tokenizer:
     raise UserError(f"unknown tokenizer kind {kind!r} in spec; valid kinds: gpt2, char, bpe, hf")
 
 
-# What a spec holds beside what prepared data depends on: its file's name, whether prompts take the
-# template, and the extra ids that end generation.
+# What a spec holds beside the ids a text is prepared with: its file's name, whether prompts take
+# the template, and the extra ids that end generation.
 NOT_IDS = ("file", "prompt_template", "stop_ids")
-# And what the ids of a text do not depend on: the ids put between documents and before prompts.
-SPECIAL_IDS = ("bos_id", "eot_id")
 
 
 def ids_of(spec: dict) -> dict:
-    """The part of a tokenizer spec that prepared data depends on (the kind, the vocabulary, the
-    file's sha256, the BOS/EOS ids)."""
+    """The part of a tokenizer spec that decides a prepared text's ids (the kind, the vocabulary,
+    the file's sha256, the BOS/EOS ids)."""
     return {k: v for k, v in spec.items() if k not in NOT_IDS}
 
 
 def check_data_tokenizer(model_spec: Any, data_spec: dict, model: str, fix: str) -> None:
-    """Data whose text is tokenized otherwise than `model` was trained (every id would mean another
-    token) is one line naming what differs, ending in `fix`; a model that records no tokenizer (a
-    Hugging Face directory without tokenizer.json) is not checked. Another end-of-text id only
-    separates documents otherwise (a tokenizer.json prepared from a checkpoint's folder, where no
-    config names the ids), which is a warning."""
+    """Data tokenized otherwise than `model` was trained (every id would mean another token, or
+    documents separated otherwise) is one line naming what differs, ending in `fix`; a model that
+    records no tokenizer (a Hugging Face directory without tokenizer.json) is not checked. The
+    run records the data's spec, so BOS/EOS ids that differ would also be lost from the model: a
+    tokenizer.json read without the config files that name them (one in a checkpoint's folder)
+    has none, and the fix is the Hugging Face folder's."""
     if not isinstance(model_spec, dict):
         return
-    text = lambda spec: {k: v for k, v in ids_of(spec).items() if k not in SPECIAL_IDS}  # noqa: E731
-    a, b = text(model_spec), text(data_spec)
-    if a != b:
-        differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-        raise UserError(f"the data is tokenized with {describe(data_spec)} but {model} with "
-                        f"{describe(model_spec)} (they differ in {', '.join(differ)}); {fix}")
-    if model_spec.get("eot_id") != data_spec.get("eot_id"):
-        print(f"warning: the data separates documents with end-of-text id {data_spec.get('eot_id')}, "
-              f"{model} with {model_spec.get('eot_id')} (a tokenizer.json read without the config files "
-              f"that name its ids?); to match, prepare it with --tokenizer=hf: of the Hugging Face folder "
-              f"the model came from", file=sys.stderr)
+    a, b = ids_of(model_spec), ids_of(data_spec)
+    differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k] != b[k])
+    if not differ:
+        return
+    if set(differ) <= {"bos_id", "eot_id"}:
+        fix = ("prepare it with --tokenizer=hf: of the Hugging Face folder the model came from, whose "
+               "config files name its BOS/EOS ids")
+    raise UserError(f"the data is tokenized with {describe(data_spec)} but {model} with {describe(model_spec)} "
+                    f"(they differ in {', '.join(differ)}); {fix}")
 
 
 def describe(spec: dict) -> str:
-    """A spec in a few words, for messages: kind and vocabulary (a char alphabet's size)."""
-    return f"{spec.get('kind')} ({spec.get('vocab_size')} tokens)"
+    """A spec in a few words, for messages: kind, vocabulary (a char alphabet's size), BOS/EOS."""
+    ids = "".join(f", {k[:3].upper().replace('EOT', 'EOS')} {spec[k]}" for k in ("bos_id", "eot_id")
+                  if spec.get(k) is not None)
+    return f"{spec.get('kind')} ({spec.get('vocab_size')} tokens{ids})"
 
 
 def fingerprint(tok: Tokenizer, base_dir: str | Path) -> str:
@@ -544,7 +546,7 @@ def identity(name: str) -> str:
     tokenizer, an edited one or other ids are not)."""
     if isinstance(name, str) and name.startswith("hf:"):
         _, _, spec = hf_spec(hf_path(name), PASS_HF)
-        return "hf:" + json.dumps(ids_of(spec), sort_keys=True)
+        return "hf:" + json.dumps({k: v for k, v in spec.items() if k != "file"}, sort_keys=True)
     return name
 
 

@@ -194,6 +194,7 @@ def gpt2_tokenizer_json(path: Path, edit=None) -> None:
     hf = TikTokenConverter(vocab_file=str(GPT2_RANKS_FILE), pattern=GPT2_PATTERN,
                            extra_special_tokens=["<|endoftext|>"]).converted()
     spec = json.loads(hf.to_str())
+    spec["model"]["vocab"]["<|endoftext|>"] = 50256  # as in GPT-2's own file (vocab.json holds it)
     if edit is not None:
         edit(spec)
     path.mkdir(parents=True, exist_ok=True)
@@ -221,6 +222,13 @@ def test_gpt2_sized_vocabulary_with_a_tokenizer_of_its_own(hf, tmp_path):
            "normalized": False, "special": True}  # added for batching: GPT-2's all the same
     gpt2_tokenizer_json(tmp_path / "padded", lambda spec: spec["added_tokens"].append(pad))
     assert convert.hf_dir_tokenizer(tmp_path / "padded", cfg)[0]["kind"] == "gpt2"
+    for name, token in (("added", {**pad, "content": "zzqq", "special": False}),  # text encodes to it
+                        ("merged", None)):
+        edit = ((lambda spec: spec["added_tokens"].append(token)) if token else
+                (lambda spec: (spec["model"]["vocab"].update({"Ġtokenizer": 50257}),
+                               spec["model"]["merges"].append(["Ġtoken", "izer"]))))
+        gpt2_tokenizer_json(tmp_path / name, edit)
+        assert not is_gpt2(Tokenizer.from_file(str(tmp_path / name / "tokenizer.json"))), name
     gpt2_tokenizer_json(tmp_path / "nomerges", lambda spec: spec["model"].update(merges=[]))
     assert convert.hf_dir_tokenizer(tmp_path / "nomerges", cfg)[0]["kind"] == "hf"
 

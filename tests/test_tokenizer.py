@@ -233,25 +233,29 @@ def test_hf_tokenizer_matches_transformers(hf_dir, tmp_path):
     assert plain.encode_prompt(SAMPLES[1]) == plain.encode(SAMPLES[1]) == tok.encode(SAMPLES[1])
 
 
-def test_data_tokenizer_checked_against_the_models(tmp_path, capsys):
-    """The text's ids must be the model's (another file, vocabulary or kind is one line naming what
-    differs); another end-of-text id only separates documents otherwise (a warning); the extra EOS
-    ids and the prompt template change no prepared data (nor the data cache's key)."""
+def test_data_tokenizer_checked_against_the_models(tmp_path):
+    """The data must be tokenized as the model was: another file, vocabulary or kind, or other
+    BOS/EOS ids (a tokenizer.json read without the configs that name them) is one line naming what
+    differs; file names, the prompt template and the extra EOS ids do not count. The extra EOS ids
+    still key the data cache, since the run records the data's spec."""
     from gpt.tokenizer import check_data_tokenizer, identity
     model = {"kind": "hf", "file": "tokenizer.json", "sha256": "a" * 64, "vocab_size": 290, "bos_id": 1,
              "eot_id": 2, "stop_ids": [0], "prompt_template": True}
     check_data_tokenizer(model, {**model, "file": "x.json", "stop_ids": [], "prompt_template": False}, "m", "fix")
-    check_data_tokenizer(model, {**model, "eot_id": None, "bos_id": None}, "the model in ck", "fix")
-    assert "separates documents with end-of-text id None, the model in ck with 2" in capsys.readouterr().err
-    with pytest.raises(UserError, match=r"hf \(290 tokens\) but m with hf \(290 tokens\) \(they differ in "
-                                        r"sha256\); fix"):
+    with pytest.raises(UserError, match=r"hf \(290 tokens\) but the model in ck with hf \(290 tokens, BOS 1, "
+                                        r"EOS 2\) \(they differ in bos_id, eot_id\); prepare it with --tokenizer=hf: "
+                                        r"of the Hugging Face folder the model came from"):
+        check_data_tokenizer(model, {**model, "eot_id": None, "bos_id": None}, "the model in ck", "fix")
+    with pytest.raises(UserError, match=r"\(they differ in sha256\); fix"):
         check_data_tokenizer(model, {**model, "sha256": "b" * 64}, "m", "fix")
+    with pytest.raises(UserError, match=r"\(they differ in n_regular\)"):
+        check_data_tokenizer({**model, "n_regular": None}, model, "m", "fix")
     check_data_tokenizer(None, model, "an HF folder without tokenizer.json", "fix")
     one, two = tmp_path / "one", tmp_path / "two"
     for d, eos in ((one, 2), (two, [2, 0])):
         make_hf_tokenizer(d, vocab_size=260)
         (d / "config.json").write_text(json.dumps({"eos_token_id": eos}))
-    assert identity(f"hf:{one}") == identity(f"hf:{two}")
+    assert identity(f"hf:{one}") != identity(f"hf:{two}")
 
 
 def test_hf_tokenizer_ids_from_tokenizer_config(tmp_path):
