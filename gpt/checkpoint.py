@@ -65,9 +65,14 @@ class _DropOrbaxStorageErrors(_DropOrbaxLogs):
         exc = record.exc_info[1] if record.exc_info else None
         if exc is None:
             return True
-        if TMP_MARKER in str(exc):
+        if TMP_MARKER in str(exc) or any(step in str(exc) for step in _REPORTED_DAMAGED):
             return False
         return super().filter(record) or storage_errno(exc) is None
+
+
+# Step folders restore() has reported as damaged: the other reads of such a step that fail too
+# ("Future exception was never retrieved", once the future is collected, even at exit) say nothing more.
+_REPORTED_DAMAGED: set[str] = set()
 
 
 logging.getLogger("absl").addFilter(_DropOrbaxLogs())
@@ -214,6 +219,8 @@ class Checkpointer:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure here means a damaged checkpoint
                 damaged.append((s, _root_cause(e)))
+                folder = self.dir / str(s)
+                _REPORTED_DAMAGED.update(str(p) + os.sep for p in (folder.absolute(), folder.resolve()))
             if damaged and damaged[-1][0] == s:
                 _collect_quietly()
                 continue

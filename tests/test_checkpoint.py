@@ -135,6 +135,24 @@ def test_asyncio_log_drops_only_failed_checkpoint_writes(message, shown):
     assert all(f.filter(record) for f in logging.getLogger("asyncio").filters) == shown
 
 
+def test_asyncio_log_drops_the_other_failed_reads_of_a_reported_step(tmp_path, monkeypatch):
+    """restore() reports a damaged step in one line; the step's other reads that fail too reach
+    asyncio's "never retrieved" log when collected (even at exit), which must add nothing after it.
+    A failed read of another step (not reported) still shows."""
+    monkeypatch.setattr(ckpt, "_REPORTED_DAMAGED", set())
+    d = ckpt.checkpoint_dir(tmp_path)
+    d.mkdir(parents=True)
+    (d / "2").mkdir()
+    (d / "2" / "meta").mkdir()
+    (d / "2" / "meta" / "metadata").write_text("{torn")
+    with pytest.raises(UserError, match="is damaged"):
+        ckpt.Checkpointer(tmp_path, read_only=True).restore({})
+    read = 'OUT_OF_RANGE: Error reading "blocks.w_qkv/0.0" in OCDBT database at local file "{}/{}/params/"'
+    shown = lambda step: all(f.filter(_asyncio_record(ValueError(read.format(d.absolute(), step))))
+                             for f in logging.getLogger("asyncio").filters)
+    assert not shown(2) and shown(20)
+
+
 def test_odd_out_dirs_are_one_line(tmp_path):
     """sample.py's --out_dir naming a file says so (it raised NotADirectoryError), and a folder in
     checkpoints/ whose name is a digit Python's int() does not take (²) is not a step."""
