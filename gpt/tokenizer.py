@@ -411,7 +411,7 @@ def check_data_tokenizer(model_spec: Any, data_spec: dict, model: str, fix: str)
 
 def describe(spec: dict) -> str:
     """A spec in a few words, for messages: kind, vocabulary (a char alphabet's size), BOS/EOS."""
-    ids = "".join(f", {k[:3].upper().replace('EOT', 'EOS')} {spec[k]}" for k in ("bos_id", "eot_id")
+    ids = "".join(f", {name} {spec[k]}" for k, name in (("bos_id", "BOS"), ("eot_id", "EOS"))
                   if spec.get(k) is not None)
     return f"{spec.get('kind')} ({spec.get('vocab_size')} tokens{ids})"
 
