@@ -27,8 +27,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-ROPE_KEYS = {"linear": ("factor",),
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+ROPE_SCALINGS = ("linear", "llama3")  # a fixed change of the frequencies (gpt.model.rope_frequencies)
 
 
 def _number(d: dict[str, Any], key: str, where: str, integer: bool = False) -> float:
@@ -52,10 +51,11 @@ def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
         kind = d.get("rope_type", d.get("type", "default")) if isinstance(d, dict) else d
         if kind == "default" or out:
             continue
-        if kind not in ROPE_KEYS:
+        if kind not in ROPE_SCALINGS:
             raise UserError(f"{where}: rope scaling {kind!r} is not supported (plain RoPE, 'linear' and "
                             f"'llama3' are); use a model without it")
-        get = lambda key: _number(d if isinstance(d, dict) else {}, key, where, integer=key.startswith("original"))
+        fields = d if isinstance(d, dict) else {}
+        get = lambda key: _number(fields, key, where, integer=key.startswith("original"))  # noqa: E731
         out = {"rope_scaling": kind, "rope_factor": float(get("factor"))}
         if kind == "llama3":
             out.update(rope_low_freq_factor=float(get("low_freq_factor")),

@@ -105,6 +105,10 @@ def on_failure(handler: FailureHandler) -> None:
     _failure_handler[:] = [handler]
 
 
+_DISK_FIXES = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space on that disk",
+               errno.EROFS: "make that disk writable"}
+
+
 def failure_line(e: BaseException) -> tuple[int, str | None]:
     """(exit status, the one line to print) for what the user can fix; (1, None) for a bug. A full
     disk is the user's to fix wherever it strikes, and so is device memory exhaustion."""
@@ -113,12 +117,9 @@ def failure_line(e: BaseException) -> tuple[int, str | None]:
     status = 2
     if isinstance(e, UserError):
         message = str(e)
-    elif isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+    elif isinstance(e, OSError) and e.errno in _DISK_FIXES:  # full, or remounted read-only mid-run
         where = f" while writing {e.filename}" if e.filename else ""
-        message = f"{e.strerror}{where}; free space on that disk or choose another output directory"
-    elif isinstance(e, OSError) and e.errno == errno.EROFS:  # a disk remounted read-only mid-run
-        where = f" while writing {e.filename}" if e.filename else ""
-        message = f"{e.strerror}{where}; make that disk writable or choose another output directory"
+        message = f"{e.strerror}{where}; {_DISK_FIXES[e.errno]} or choose another output directory"
     elif is_out_of_memory(e):
         message = out_of_memory_message(e)
     elif is_lost_peer(e):  # not this process's bug, nor the user's input

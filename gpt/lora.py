@@ -329,16 +329,9 @@ def load_base(ref: Any, where: str | Path) -> Base:
 
 def check_tokenizer(base: Base, data_spec: dict[str, Any], src: str) -> None:
     """The data must be tokenized as the base was (else every id means another token)."""
-    from gpt.tokenizer import check_data_tokenizer
+    from gpt.tokenizer import check_data_tokenizer, tokenizer_hint
     check_data_tokenizer(base.tokenizer, data_spec, f"the base model {src}",
                          f"prepare the data with {tokenizer_hint(base.tokenizer, src)}")
-
-
-def tokenizer_hint(spec: Any, src: str | Path) -> str:
-    """How to prepare data with the tokenizer `spec` of the model in `src`."""
-    kind = spec.get("kind") if isinstance(spec, dict) else None
-    return {"gpt2": "--tokenizer=gpt2", "hf": f"--tokenizer=hf:{src}/tokenizer.json"}.get(
-        kind, "the same tokenizer (a char alphabet must be the same characters)")
 
 
 # ----------------------------------------------------------------------------- loading and merging

@@ -409,6 +409,13 @@ def check_data_tokenizer(model_spec: Any, data_spec: dict, model: str, fix: str)
                     f"(they differ in {', '.join(differ)}); {fix}")
 
 
+def tokenizer_hint(spec: Any, src: str | Path) -> str:
+    """How to prepare data with the tokenizer `spec` of the model in `src`."""
+    kind = spec.get("kind") if isinstance(spec, dict) else None
+    return {"gpt2": "--tokenizer=gpt2", "hf": f"--tokenizer=hf:{src}/tokenizer.json"}.get(
+        kind, "the same tokenizer (a char alphabet must be the same characters)")
+
+
 def describe(spec: dict) -> str:
     """A spec in a few words, for messages: kind, vocabulary (a char alphabet's size), BOS/EOS."""
     ids = "".join(f", {name} {spec[k]}" for k, name in (("bos_id", "BOS"), ("eot_id", "EOS"))

@@ -40,7 +40,7 @@ from gpt.errors import UserError
 from gpt.model import GPT, abstract_model, flops_per_token, num_params
 from gpt.ops.cross_entropy import cross_entropy  # noqa: F401 - re-exported (the tests use it)
 from gpt.runtime import Runtime, compiler_options, dtype_note, loss_chunks_for, on_mesh, resolve
-from gpt.tokenizer import REPO_ROOT, atomic_write_bytes, check_data_tokenizer, load_tokenizer
+from gpt.tokenizer import REPO_ROOT, atomic_write_bytes, check_data_tokenizer, load_tokenizer, tokenizer_hint
 
 BUNDLED_CORPUS = REPO_ROOT / "data" / "shakespeare.txt"
 
@@ -321,7 +321,7 @@ def _with_data(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[s
         src = find_gpt2_dir() if t.init_from == "gpt2" else Path(t.init_from)
         m, init_params, tokenizer = load_init(src, m, explicit)
         check_data_tokenizer(tokenizer, meta["tokenizer"], f"the model in {src}",
-                             f"prepare the data with {lora_lib.tokenizer_hint(tokenizer, src)}")
+                             f"prepare the data with {tokenizer_hint(tokenizer, src)}")
     elif meta_ck is not None:
         check_data_tokenizer(meta_ck.get("tokenizer"), meta["tokenizer"], f"the run in {t.out_dir} was trained",
                              f"pass the data it was trained on ({_recorded_data(meta_ck)})")
@@ -866,7 +866,8 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
             if at_log or at_eval or at_ckpt:
                 loss, ev = log_and_evaluate(run, state, metrics, prog, at_log, at_eval)
                 summary["train_losses"].append((state.step, loss))
-                summary.update(ev or {}, **({"val_step": state.step} if ev else {}))
+                if ev:
+                    summary.update(ev, val_step=state.step)
                 if at_ckpt:
                     check_savable(state)
                     save(run, state, ev["val_loss"] if ev else None)
