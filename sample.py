@@ -36,7 +36,8 @@ def read_prompt(cfg, tokenizer) -> list[int]:
 def main(argv: Sequence[str]) -> int:
     from gpt.config import SampleConfig, build, help_text, validate_sample
     if "-h" in argv or "--help" in argv:
-        print(help_text([SampleConfig]))
+        with reader_may_leave():  # `--help | head`
+            print(help_text([SampleConfig]))
         return 0
     (cfg,), explicit = build([SampleConfig], argv)
     validate_sample(cfg)
@@ -62,11 +63,11 @@ def main(argv: Sequence[str]) -> int:
     if cfg.decode_kernels:
         from gpt.sampling import with_decode_kernels
         model = with_decode_kernels(model, cfg.num_samples, draft is not None, jax.default_backend())
-    if cfg.top_k > model.cfg.vocab_size:
+    if cfg.top_k > model.cfg.vocab_size:  # keeps every token, as nanoGPT and transformers take it
         if "top_k" in explicit:
-            raise UserError(f"--top_k={cfg.top_k} exceeds the vocabulary ({model.cfg.vocab_size} "
-                            f"tokens); use at most {model.cfg.vocab_size}, or 0 to disable")
-        cfg.top_k = 0  # the default (200) keeps the whole of a small vocabulary
+            print(f"note: --top_k={cfg.top_k} exceeds the vocabulary ({model.cfg.vocab_size} tokens): "
+                  f"every token is kept", file=sys.stderr)
+        cfg.top_k = 0
     prompt = read_prompt(cfg, tok)
     for note in length_notes(len(prompt) + cfg.max_new_tokens, model, draft, cfg.num_draft_tokens):
         print(f"note: {note}", file=sys.stderr)

@@ -4,21 +4,22 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from gpt.errors import run_main
+from gpt.errors import reader_may_leave, run_main
 
 
 def main(argv: Sequence[str]) -> int:
     from gpt.config import TRAIN_CLASSES, build_train, help_text
     if "-h" in argv or "--help" in argv:
-        print(help_text(TRAIN_CLASSES, argv, default_preset="default"))
+        with reader_may_leave():  # `--help | head`
+            print(help_text(TRAIN_CLASSES, argv, default_preset="default"))
         return 0
     model_cfg, compute_cfg, train_cfg, explicit = build_train(argv)
     from gpt.runtime import prepare_process
     prepare_process()  # before jax.distributed makes the CPU client
     from gpt import distributed, sharding
-    if train_cfg.distributed or train_cfg.coordinator_address:
-        distributed.init_distributed(train_cfg.coordinator_address, train_cfg.num_processes,
-                                     train_cfg.process_id)
+    t = train_cfg
+    if t.distributed or t.coordinator_address or t.num_processes or t.process_id != -1:
+        distributed.init_distributed(t.coordinator_address, t.num_processes, t.process_id)
     from gpt import train
     setup = train.prepare_setup(model_cfg, compute_cfg, train_cfg, explicit)
     summary = train.train(setup)

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import jax
 
@@ -86,13 +87,18 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
     heartbeat_s = _seconds(HEARTBEAT_ENV, HEARTBEAT_S)
     kwargs: dict[str, Any] = {}
     if coordinator_address:
+        check_address(coordinator_address)
         if num_processes < 1 or process_id < 0:
-            raise UserError("--coordinator_address needs --num_processes=N and --process_id=I")
+            got = ", ".join(f"--{k}={v}" for k, v, unset, bad in (
+                ("num_processes", num_processes, 0, num_processes < 1), ("process_id", process_id, -1, process_id < 0))
+                if bad and v != unset)
+            raise UserError("--coordinator_address needs --num_processes=N (at least 1) and --process_id=I "
+                            "(from 0)" + (f"; got {got}" if got else ""))
         if not 0 <= process_id < num_processes:
             raise UserError(f"--process_id={process_id} must be in [0, {num_processes})")
         kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                       process_id=process_id)
-    elif num_processes or process_id >= 0:
+    elif num_processes or process_id != -1:
         raise UserError("--num_processes/--process_id need --coordinator_address=HOST:PORT "
                         "(or leave all three out on TPU pods and SLURM, where they are detected)")
     # An unreachable coordinator (or a process that never starts) makes jax's client abort the whole
@@ -130,6 +136,20 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
         print("warning: this jax release hides its distributed client, so a process that fails "
               "mid-run is not announced: the others wait for it until jax's exit barrier times out "
               "(5 minutes)", file=sys.stderr, flush=True)
+
+
+def check_address(address: str) -> None:
+    """--coordinator_address must be HOST:PORT before jax sees it: given a port it cannot parse,
+    jax's coordination service crashes the process (a segfault); given none, it fails with an
+    IndexError, or waits out the whole timeout for a port outside 1..65535."""
+    try:
+        split = urlsplit("//" + address)
+        host, port = split.hostname, split.port
+    except ValueError:
+        host, port = None, None
+    if not host or port is None or port < 1 or "/" in address or "@" in address:
+        raise UserError(f"--coordinator_address={address!r} must be HOST:PORT with a port from 1 to 65535, "
+                        f"e.g. 10.0.0.1:1234 (an IPv6 host in brackets: [fd00::1]:1234)")
 
 
 def _timeout(timeout_s: int | None) -> int:

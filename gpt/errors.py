@@ -171,6 +171,10 @@ class ArgParser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UserError(f"{message} (see {self.prog} --help)")
 
+    def print_help(self, file=None) -> None:
+        with reader_may_leave():  # `--help | head`
+            super().print_help(file)
+
     def add_paths(self, flag: str, **kw) -> None:
         self.add_argument(flag, nargs="+", action=_ExtendSplit, metavar="PATH", **kw)
 

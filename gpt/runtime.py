@@ -117,9 +117,14 @@ def compiler_options(rt: Runtime) -> dict[str, str]:
 def on_mesh(rt: Runtime, mesh) -> Runtime:
     """`rt` training over `mesh`. The Pallas training kernels (TRAINING_KERNELS) have no sharding
     rule and run on one device, so over a mesh of several they give way to XLA's path (a GPU
-    default would otherwise stop every sharded run)."""
+    default would otherwise stop every sharded run). The CPU's layouts (`cpu_layouts`) flatten
+    the batch rows and transpose them physically: with the rows split over two mesh axes (data
+    and fsdp, say) XLA's partitioner cannot follow that and gathers them whole onto every device
+    (its "Involuntary full rematerialization" warning), so such a mesh keeps XLA's layouts."""
     several = mesh is not None and mesh.size > 1
-    return dataclasses.replace(rt, mesh=mesh, **(dict.fromkeys(TRAINING_KERNELS, "") if several else {}))
+    rows_split = mesh is not None and sum(mesh.shape[a] > 1 for a in ("data", "fsdp", "expert")) > 1
+    return dataclasses.replace(rt, mesh=mesh, cpu_layouts=rt.cpu_layouts and not rows_split,
+                               **(dict.fromkeys(TRAINING_KERNELS, "") if several else {}))
 
 
 def decode_kernels_on(backend: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import re
 import sys
 from typing import Any, Callable, TypeVar
 
@@ -41,16 +42,19 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
     if not spec:
         sizes["data"] = n_devices
         return sizes
+    seen: set[str] = set()
     for part in spec.split(","):
         name, _, size = part.partition(":")
-        name = name.strip()
+        name, size = name.strip(), size.strip()
         if name not in AXES:
             raise UserError(f"--mesh: unknown axis {name!r} (use data, fsdp, expert and tensor, e.g. "
                             f"--mesh=data:2,fsdp:4)")
-        try:
-            sizes[name] = int(size)
-        except ValueError:
-            raise UserError(f"--mesh: axis {name} needs a size, e.g. {name}:2 (got {part!r})") from None
+        if name in seen:
+            raise UserError(f"--mesh={spec} names axis {name} twice; give each axis once, e.g. --mesh=data:2,fsdp:4")
+        seen.add(name)
+        if not re.fullmatch(r"-?[0-9]+", size):  # int() would also take "+8", "1_0" and other digits
+            raise UserError(f"--mesh: axis {name} needs a size, e.g. {name}:2 (got {part!r})")
+        sizes[name] = int(size)
         if sizes[name] < 1:
             raise UserError(f"--mesh: axis {name} must have a positive size (got {sizes[name]})")
     total = math.prod(sizes.values())
@@ -84,10 +88,14 @@ def check_divisibility(cfg: ModelConfig, mesh: Mesh, global_batch: int) -> None:
         raise UserError(f"--n_expert={cfg.n_expert} is not divisible by the mesh's expert axis ({ep}); "
                         f"each device of that axis holds n_expert / {ep} experts")
     tp = mesh.shape["tensor"]
+    fits = [d for d in range(1, tp + 1) if cfg.n_head % d == 0 and cfg.ffn % d == 0 and mesh.size % d == 0]
+    fix = (f"; use a tensor size that divides n_head ({cfg.n_head}) and the MLP width ({cfg.ffn}), "
+           f"e.g. tensor:{max(fits)}")
     if cfg.n_head % tp:
-        raise UserError(f"--n_head={cfg.n_head} is not divisible by the tensor-parallel degree {tp}")
+        raise UserError(f"--n_head={cfg.n_head} is not divisible by the tensor-parallel degree {tp} "
+                        f"(each device of that axis holds n_head / {tp} heads){fix}")
     if cfg.ffn % tp:
-        raise UserError(f"the MLP width {cfg.ffn} is not divisible by the tensor-parallel degree {tp}")
+        raise UserError(f"the MLP width {cfg.ffn} is not divisible by the tensor-parallel degree {tp}{fix}")
 
 
 def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
@@ -123,6 +131,31 @@ def param_shardings(model_state: Any, mesh: Mesh) -> Any:
     shapes = nnx.to_pure_dict(model_state)
     return jax.tree.map(lambda names, x: NamedSharding(mesh, param_spec(tuple(names), x.shape, mesh)),
                         logical, shapes, is_leaf=lambda x: isinstance(x, P))
+
+
+def fsdp_left_whole(model_state: Any, mesh: Mesh) -> str | None:
+    """A warning naming the weight matrices the mesh's fsdp axis divides no dimension of (a shape
+    needs one that divides exactly), which every device then holds whole with their optimizer
+    state, and their share of the parameters; None when they are under 1% of them."""
+    from flax import nnx
+    fsdp = mesh.shape["fsdp"]
+    if fsdp == 1:
+        return None
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(model_state))
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(model_state))[0]
+    names = dict(jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: isinstance(x, P))[0])
+    whole, total = {}, 0
+    for path, x in flat:
+        axes = tuple(names[path])
+        total += math.prod(x.shape)
+        if sum(ax != "layers" for ax in axes) >= 2 and "fsdp" not in param_spec(axes, x.shape, mesh):
+            whole["/".join(_key_name(k) for k in path)] = math.prod(x.shape)
+    share = 100 * sum(whole.values()) / total
+    if share < 1:  # a bias such as b_qkv [3, heads, head size]: not worth a warning
+        return None
+    return (f"warning: fsdp:{fsdp} divides no dimension of {', '.join(whole)} ({share:.1f}% of the parameters), "
+            f"so every device holds them whole with their optimizer state; an fsdp size that divides "
+            f"their dimensions (n_embd, the head size) shards them")
 
 
 def like_params(tree: Any, params_shardings: Any, mesh: Mesh) -> Any:

@@ -622,11 +622,31 @@ def special_ids(model_dir: Path, hf) -> dict:
 
 def hf_spec(path: Path, fix: str) -> tuple[bytes, object, dict]:
     """(bytes, `tokenizers.Tokenizer`, spec) of the tokenizer.json at `path`, with the BOS/EOS ids
-    of the model directory it sits in."""
+    of the model directory it sits in: its Hugging Face configs, or where it is one of our run
+    directories (a converted model, a training run's copy), the ids its checkpoint recorded."""
     data, hf = read_hf_file(path, fix)
-    spec = {"kind": "hf", "file": HF_FILE, "sha256": hashlib.sha256(data).hexdigest(),
-            "vocab_size": hf.get_vocab_size(with_added_tokens=True), **special_ids(path.parent, hf)}
+    sha = hashlib.sha256(data).hexdigest()
+    ids = special_ids(path.parent, hf)
+    if ids["bos_id"] is None and ids["eot_id"] is None:
+        ids = recorded_ids(path.parent, sha) or ids
+    spec = {"kind": "hf", "file": HF_FILE, "sha256": sha,
+            "vocab_size": hf.get_vocab_size(with_added_tokens=True), **ids}
     return data, hf, spec
+
+
+def recorded_ids(run_dir: Path, sha256: str) -> dict | None:
+    """The BOS/EOS ids the newest checkpoint in `run_dir` recorded for this very tokenizer.json
+    (same sha256); None if it is not one of our run directories (or its metadata is unreadable)."""
+    from gpt import checkpoint as ckpt  # orbax and jax: only for a folder that has checkpoints
+    if not ckpt.list_steps(run_dir):
+        return None
+    try:
+        spec = ckpt.read_meta(run_dir)[1].get("tokenizer")
+    except UserError:
+        return None
+    if not isinstance(spec, dict) or spec.get("kind") != "hf" or spec.get("sha256") != sha256:
+        return None
+    return {k: spec[k] for k in ("bos_id", "eot_id", "stop_ids") if k in spec}
 
 
 def hf_tokenizer(data: bytes, hf, spec: dict, where: Path) -> HFTokenizer:

@@ -399,10 +399,24 @@ def _settings_for_resume(saved: dict, c: ComputeConfig, t: TrainConfig,
                                 f"--out_dir=NEW_DIR")
         merged.append(dataclasses.replace(cfg, **updates))
     try:
-        return validate_compute(merged[0]), validate_train(merged[1])
+        c, t = validate_compute(merged[0]), validate_train(merged[1])
     except (TypeError, ValueError, UserError) as e:
         raise UserError(f"the settings saved in {t.out_dir}'s checkpoint are not valid ({e}); "
                         f"the checkpoint's metadata is damaged") from None
+    if "mesh" not in explicit:
+        _check_saved_mesh(t.mesh)
+    return c, t
+
+
+def _check_saved_mesh(mesh: str) -> None:
+    """A resumed run keeps its saved --mesh unless the flag is given; on other devices one line
+    says where the mesh came from (the user never typed it)."""
+    try:
+        sharding.parse_mesh(mesh, jax.device_count())
+    except UserError as e:
+        raise UserError(f"the run being resumed was saved with --mesh={mesh}, which does not fit here: {e}; "
+                        f"pass --mesh for these {jax.device_count()} device(s) (--mesh= puts them all on "
+                        f"data)") from None
 
 
 def load_init(src: Path, m: ModelConfig, explicit: set[str]) -> tuple[ModelConfig, Any, dict | None]:
@@ -541,7 +555,11 @@ def agree_across_processes(s: Setup, out: Path) -> None:
     data = {k: s.meta.get(k) for k in ("tokenizer", "dtype", "splits", "shards")}
     data["sources"] = [src.get("sha256") for src in s.meta.get("sources", [])]
     step = max(ckpt.list_steps(out), default=0) if s.train_cfg.init_from == "resume" else 0
+    # what each host's --dtype=auto / --attention=auto became (its own CPU flags, its own backend)
+    rt = dataclasses.asdict(dataclasses.replace(resolve(s.model_cfg, s.compute_cfg), mesh=None))
     parts = {"settings": json.dumps(settings, sort_keys=True, default=str),
+             "compute as resolved (pass --dtype and --attention explicitly)": json.dumps(rt, sort_keys=True,
+                                                                                       default=str),
              "data (by content)": json.dumps(data, sort_keys=True), "resume step": str(step), "out_dir": seen}
     try:
         sharding.check_agreement(parts, hint=f"run the same command on every host with one shared --out_dir "
@@ -599,6 +617,8 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
         state = restore_state(checkpointer, state, shards)
         log(f"resuming from step {state.step} in {out}")
     log(start_line(s, state, rt, mesh))
+    if (whole := sharding.fsdp_left_whole(nnx.state(model_shape), mesh)) is not None:
+        log(whole)
     copy_tokenizer_files(s, out)
     shards["batch"] = sharding.batch_sharding(mesh, ndim=3)
     shards["eval"] = sharding.batch_sharding(mesh, ndim=2)
@@ -700,14 +720,19 @@ def save(run: Run, state: State, val_loss: float | None) -> None:
     run.checkpointer.save(state.step, state.params, state.opt_state, meta, val_loss)
 
 
-DIVERGED = "stopped without saving (last good checkpoint kept); try a lower --learning_rate or --grad_clip=1.0"
+def diverged(run: Run) -> str:
+    """The end of a divergence message: what is kept, and what to try (clipping only where the
+    run does not already clip the gradient's norm at 1 or less)."""
+    kept = "; the checkpoints saved before are kept" if ckpt.list_steps(run.checkpointer.dir.parent) else ""
+    clip = "" if 0 < run.s.train_cfg.grad_clip <= 1 else " or --grad_clip=1.0"
+    return f"stopped without saving it{kept}; try a lower --learning_rate{clip}"
 
 
-def host_metrics(metrics: dict, step: int) -> dict[str, float]:
+def host_metrics(run: Run, metrics: dict, step: int) -> dict[str, float]:
     """The step's metrics on the host (the only device->host sync); a non-finite loss stops."""
     host = metrics_lib.to_host(metrics)
     if not math.isfinite(host["loss"]):
-        raise UserError(f"the loss became {host['loss']} at step {step}; {DIVERGED}")
+        raise UserError(f"the loss became {host['loss']} at step {step}; {diverged(run)}")
     return host
 
 
@@ -716,14 +741,14 @@ def _norm_finite(tree: Any) -> jax.Array:
     return jnp.isfinite(optax.global_norm(tree))
 
 
-def check_savable(state: State) -> None:
+def check_savable(run: Run, state: State) -> None:
     """Only weights of a finite float32 norm are saved (no NaN, no inf, none beyond about 1e19).
     The step's loss is of the weights before its update, so an update that blows them up shows
     only in the next step's loss, after a save at this one would have replaced the last good
     checkpoint. Checked at saves only: one reduction over the weights."""
     if not bool(_norm_finite(state.params)):
         raise UserError(f"the weights diverged (their norm is no longer finite) at step {state.step}; "
-                        f"{DIVERGED}")
+                        f"{diverged(run)}")
 
 
 class Progress:
@@ -782,7 +807,7 @@ def moe_record(host: dict, m: ModelConfig) -> dict[str, Any]:
 def log_and_evaluate(run: Run, state: State, metrics: dict, prog: Progress, at_log: bool,
                      at_eval: bool) -> tuple[float, dict | None]:
     """Write the train record (at a log step) and run an evaluation (at an eval step)."""
-    host = host_metrics(metrics, state.step)
+    host = host_metrics(run, metrics, state.step)
     rate = prog.rate(run.through)
     elapsed = time.perf_counter() - prog.t0
     if at_log:
@@ -794,7 +819,7 @@ def log_and_evaluate(run: Run, state: State, metrics: dict, prog: Progress, at_l
         return host["loss"], None
     ev = run_eval(run, state, state.step)
     if not math.isfinite(ev["val_loss"]):
-        raise UserError(f"the val loss became {ev['val_loss']} at step {state.step}; {DIVERGED}")
+        raise UserError(f"the val loss became {ev['val_loss']} at step {state.step}; {diverged(run)}")
     state.best_val = ev["val_loss"] if state.best_val is None else min(state.best_val, ev["val_loss"])
     run.mlog.write({"kind": "eval", "step": state.step, **ev, "lr": host["lr"],
                     "tokens_per_sec": rate["tokens_per_sec"], "mfu": rate["mfu"],
@@ -869,7 +894,7 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
                 if ev:
                     summary.update(ev, val_step=state.step)
                 if at_ckpt:
-                    check_savable(state)
+                    check_savable(run, state)
                     save(run, state, ev["val_loss"] if ev else None)
                     aside = ckpt.drop_aside_once_saved(out, aside)  # the space comes back early
             if prog.bar is not None:

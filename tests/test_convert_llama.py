@@ -151,6 +151,11 @@ def test_converted_dir_samples_with_its_tokenizer(tmp_path, capsys):
     (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, stop]}))
     assert convert.main(["--from_hf", str(src), "--out_dir", str(out)]) == 0
     assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    # --tokenizer=hf:OUT/tokenizer.json (data for a LoRA run on it): no configs beside the copy, so
+    # the ids come from the checkpoint that recorded this very file
+    from gpt.tokenizer import hf_spec
+    spec = hf_spec(out / "tokenizer.json", "fix")[2]
+    assert (spec["bos_id"], spec["eot_id"], spec["stop_ids"]) == (1, 2, [stop])
 
     with torch.no_grad():
         gen = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=[2, stop],

@@ -4,6 +4,7 @@ store and threads; tests/test_multihost.py runs real two-process jobs."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
@@ -249,3 +250,33 @@ def test_heartbeat_setting(monkeypatch, raw, want):
     else:
         with pytest.raises(UserError, match=f"GPT_DISTRIBUTED_HEARTBEAT=.*{want}"):
             distributed._seconds(distributed.HEARTBEAT_ENV, distributed.HEARTBEAT_S)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:abc", "localhost:1234x", "[::1]", "127.0.0.1:-1",
+                                     "127.0.0.1:", "127.0.0.1:70000", "127.0.0.1", "host:0", ":1234",
+                                     "http://host:1234"])
+def test_a_malformed_coordinator_address_is_one_line(address):
+    """jax's coordination service segfaults on a port it cannot parse and waits out its timeout on
+    one out of range, so the address is checked before jax sees it."""
+    with pytest.raises(UserError, match="must be HOST:PORT with a port from 1 to 65535"):
+        distributed.init_distributed(address, 2, 0)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1234", "[::1]:1234", "node-3.cluster:8476"])
+def test_well_formed_coordinator_addresses_pass(address):
+    distributed.check_address(address)
+
+
+@pytest.mark.parametrize("n, i, words", [
+    (0, 0, "needs --num_processes=N"), (-2, 0, "got --num_processes=-2"), (2, -3, "got --process_id=-3"),
+    (2, 2, "--process_id=2 must be in [0, 2)")])
+def test_process_numbers_are_checked(n, i, words):
+    with pytest.raises(UserError, match=re.escape(words)):
+        distributed.init_distributed("127.0.0.1:1234", n, i)
+
+
+def test_process_numbers_without_an_address_are_refused():
+    """--num_processes/--process_id alone would train a run of its own in the shared out_dir."""
+    for n, i in ((2, 1), (0, 0), (0, -3)):
+        with pytest.raises(UserError, match="need --coordinator_address=HOST:PORT"):
+            distributed.init_distributed("", n, i)

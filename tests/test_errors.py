@@ -130,3 +130,21 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(capsys):
         raise BrokenPipeError(32, "Broken pipe")  # a worker's pipe, say
     with pytest.raises(BrokenPipeError):
         run_main(elsewhere, [])
+
+
+@pytest.mark.parametrize("cmd", [["train.py"], ["sample.py"], ["-m", "gpt.data"]])
+def test_help_into_a_closed_pipe_is_quiet(cmd):
+    """`train.py --help | true`: the reader is gone before the help is written (it printed a
+    BrokenPipeError traceback and exit status 1)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    read, write = os.pipe()
+    os.close(read)  # no reader at all: the first write fails
+    try:
+        proc = subprocess.run([sys.executable, *cmd, "--help"], cwd=Path(__file__).resolve().parent.parent,
+                              stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpt.runtime import CPU_BF16_ENV
 from helpers import xla_flags
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,7 +136,11 @@ def test_unreachable_coordinator_fails_in_bounded_time(char_data, tmp_path):
     (["--num_processes=2", "--process_id=0", "--distributed"], "need --coordinator_address"),
     (["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2"],
      "--process_id=2 must be in [0, 2)"),
-    (["--coordinator_address=127.0.0.1:1"], "needs --num_processes=N and --process_id=I"),
+    (["--coordinator_address=127.0.0.1:1"], "needs --num_processes=N (at least 1) and --process_id=I"),
+    # alone, they trained a run of their own into what may be the job's shared out_dir
+    (["--num_processes=2", "--process_id=1"], "need --coordinator_address"),
+    # jax's coordination service segfaulted on the port
+    (["--coordinator_address=127.0.0.1:abc", "--num_processes=2", "--process_id=0"], "must be HOST:PORT"),
 ])
 def test_bad_distributed_flags(char_data, tmp_path, args, words):
     (rc, out), = finish([start([*COMMON, f"--data_dir={char_data}", f"--out_dir={tmp_path}", *args],
@@ -172,21 +177,23 @@ def test_only_process_0_prepares_the_input(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("what", ["settings", "out_dir"])
+@pytest.mark.parametrize("what", ["settings", "out_dir", "compute"])
 def test_processes_that_disagree_stop_with_one_line(char_data, tmp_path, what):
-    """A process with another setting, or another (unshared) out_dir, is found at start-up: every
-    process prints the same line and exits 2, nothing hangs and nothing is deleted."""
+    """A process with another setting, another (unshared) out_dir, or a host where --dtype=auto
+    resolves otherwise (one CPU with native bf16, one without) is found at start-up: every process
+    prints the same line and exits 2, nothing hangs and nothing is deleted."""
     port = free_port()
     args = [[*COMMON, f"--data_dir={char_data}", "--distributed", "--mesh=data:8",
              f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
              f"--out_dir={tmp_path / ('out1' if what == 'out_dir' and i else 'out0')}"] for i in (0, 1)]
     if what == "settings":
         args[1].append("--learning_rate=3e-4")
-    procs = [start(a, devices=4, GPT_DISTRIBUTED_TIMEOUT="120") for a in args]
+    bf16 = [{CPU_BF16_ENV: flag} if what == "compute" else {} for flag in ("1", "0")]
+    procs = [start(a, devices=4, GPT_DISTRIBUTED_TIMEOUT="120", **env) for a, env in zip(args, bf16)]
     results = finish(procs, timeout=300)
     lines = [our_lines(out) for _, out in results]
     assert [rc for rc, _ in results] == [2, 2], lines
-    name = "settings" if what == "settings" else "out_dir"
+    name = {"settings": "settings", "out_dir": "out_dir", "compute": "compute as resolved"}[what]
     for (_, out), ls in zip(results, lines):  # (gloo's connection messages may come in fragments)
         errors = [ln for ln in ls if ln.startswith("error: ")]
         assert len(errors) == 1 and errors[0].startswith(f"error: process(es) 1 disagree with process 0 on {name}")

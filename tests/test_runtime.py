@@ -2,6 +2,8 @@
 by argument (the backend) and by the GPT_CPU_BF16 override, never by patching the module."""
 from __future__ import annotations
 
+import math
+
 import os
 import subprocess
 import sys
@@ -263,9 +265,26 @@ def test_pallas_kernel_choices_are_checked():
             dataclasses.replace(rt, **{field: "triton"}, mesh=SimpleNamespace(size=2))
     # training over a mesh (gpt.train): XLA's path over several devices, the kernels on one
     on = dataclasses.replace(rt, xent_kernel="triton", gelu_kernel="triton", norm_kernel="triton")
-    assert on_mesh(on, SimpleNamespace(size=1)).norm_kernel == "triton"
-    several = on_mesh(on, SimpleNamespace(size=8))
+    assert on_mesh(on, fake_mesh(data=1)).norm_kernel == "triton"
+    several = on_mesh(on, fake_mesh(data=8))
     assert several.xent_kernel == several.gelu_kernel == several.norm_kernel == "" and several.mesh.size == 8
+
+
+def fake_mesh(**sizes):
+    from types import SimpleNamespace
+    shape = {a: sizes.get(a, 1) for a in ("data", "fsdp", "expert", "tensor")}
+    return SimpleNamespace(shape=shape, size=math.prod(shape.values()))
+
+
+def test_cpu_layouts_only_where_the_rows_split_one_way():
+    """The CPU's flattened layouts stay over one batch axis (and tensor parallelism); with the rows
+    split over two (data and fsdp), XLA's partitioner would gather them, so XLA's layouts."""
+    rt = resolve(tiny_model_config(), backend="cpu")
+    assert rt.cpu_layouts
+    for sizes, want in [({"data": 8}, True), ({"fsdp": 8}, True), ({"data": 4, "tensor": 2}, True),
+                        ({"data": 2, "fsdp": 4}, False), ({"fsdp": 2, "expert": 4}, False)]:
+        assert on_mesh(rt, fake_mesh(**sizes)).cpu_layouts is want, sizes
+    assert not on_mesh(resolve(tiny_model_config(), backend="gpu"), fake_mesh(data=8)).cpu_layouts
 
 
 def test_command_buffers_off_is_one_program_option():

@@ -187,6 +187,9 @@ def run_worker(job: dict, timeout: int = 300) -> dict:
     proc = subprocess.run([sys.executable, __file__, json.dumps(job)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # nothing gathered whole onto every device (gpt.runtime.on_mesh: the CPU's flattened layouts
+    # with the batch rows split over data and fsdp)
+    assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -235,9 +238,51 @@ def test_parse_mesh():
     assert parse_mesh("fsdp:4, tensor:2", 8) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
     assert parse_mesh("data:2,expert:4", 8) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
     for bad, words in [("data:3", "uses 3 devices but 8"), ("model:8", "unknown axis 'model'"),
-                       ("data:x", "needs a size"), ("data:0,fsdp:8", "positive size")]:
+                       ("data:x", "needs a size"), ("data:0,fsdp:8", "positive size"),
+                       ("data:4,data:2", "names axis data twice"), ("data:+8", "needs a size"),
+                       ("data:1_0", "needs a size"), ("data:\u0668", "needs a size")]:
         with pytest.raises(UserError, match=words):
             parse_mesh(bad, 8)
+
+
+def test_weights_fsdp_cannot_split_are_named():
+    """fsdp needs a dimension it divides exactly: GPT-2 XL's attention weights (n_embd 1600, 25
+    heads of 64) stay whole on every device of fsdp:128, a third of the model; fsdp:64 splits them."""
+    from types import SimpleNamespace
+    from flax import nnx
+    from gpt.config import build_train
+    from gpt.model import abstract_model
+    from gpt.sharding import fsdp_left_whole
+    m = build_train(["--preset=gpt2-xl"])[0]
+    state = nnx.state(abstract_model(m, 0))
+    mesh = lambda n: SimpleNamespace(shape={"data": 1, "fsdp": n, "expert": 1, "tensor": 1})  # noqa: E731
+    line = fsdp_left_whole(state, mesh(128))
+    assert line.startswith("warning: fsdp:128 divides no dimension of blocks/b_qkv, blocks/w_o, blocks/w_qkv "
+                           "(31.6% of the parameters)")
+    assert fsdp_left_whole(state, mesh(64)) is None and fsdp_left_whole(state, mesh(1)) is None
+
+
+def test_readme_mesh_commands_fit_their_meshes():
+    """Every train.py command of README.md with a --mesh passes the start-up checks of that mesh
+    (the global batch over data x fsdp x expert, heads and MLP width over tensor, experts)."""
+    import math
+    import re
+    import shlex
+    from types import SimpleNamespace
+    from gpt.config import build_train
+    from gpt.sharding import check_divisibility, parse_mesh
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    commands = [ln for ln in text.splitlines() if "train.py" in ln and "--mesh=" in ln]
+    assert len(commands) >= 7
+    for line in commands:
+        args = [a for a in shlex.split(line.split("train.py", 1)[1].split("#")[0].rstrip('"'))
+                if a.startswith("--") and a != "--distributed" and not a.startswith(("--coordinator", "--num_pro",
+                                                                                      "--process_id", "--out_dir"))]
+        m, _, t, _ = build_train(args)
+        spec = re.search(r"--mesh=(\S+)", line)[1]
+        n = math.prod(int(part.split(":")[1]) for part in spec.split(","))
+        sizes = parse_mesh(spec, n)
+        check_divisibility(m, SimpleNamespace(shape=sizes, size=n), t.batch_size)
 
 
 def test_make_mesh_on_a_subset_and_batch_layout():
@@ -334,6 +379,18 @@ def test_losses_match_one_device_other_meshes(char_data, reference, tmp_path):
     w_qkv = _leaf(res["meshes"]["fsdp:4,tensor:2"]["state"], "w_qkv")
     assert w_qkv["spec"] == [None, "fsdp", None, "tensor", None]
     assert w_qkv["shard_shape"] == [2, 32 // 4, 3, 1, 16] and w_qkv["distinct"] == 8
+
+
+def test_rows_split_over_data_and_fsdp_are_not_gathered(char_data, tmp_path):
+    """README's CPU example: with the batch rows split over two axes, the CPU's flattened layouts
+    made XLA's partitioner gather tensors whole onto every device (gpt.runtime.on_mesh)."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "train.py", "--preset=tiny", f"--data_dir={char_data}",
+                           f"--out_dir={tmp_path / 'out'}", "--progress=false", "--mesh=data:2,fsdp:2",
+                           "--batch_size=4", "--max_iters=1", "--dtype=float32"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- bad input (train.py)

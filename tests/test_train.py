@@ -121,6 +121,22 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, char_data):
     assert list_steps(tmp_path / "p") == list_steps(tmp_path / "q") == []
 
 
+@pytest.mark.parametrize("grad_clip, saved, end", [
+    (0.0, False, "stopped without saving it; try a lower --learning_rate or --grad_clip=1.0"),
+    (1.0, True, "stopped without saving it; the checkpoints saved before are kept; try a lower --learning_rate"),
+    (0.5, False, "stopped without saving it; try a lower --learning_rate"),
+    (5.0, True, "the checkpoints saved before are kept; try a lower --learning_rate or --grad_clip=1.0")])
+def test_the_divergence_message_fits_the_run(tmp_path, grad_clip, saved, end):
+    """It says what is kept only when a checkpoint is, and suggests clipping only to a run that
+    does not already clip at 1 or less (the default clips at 1)."""
+    from types import SimpleNamespace
+    if saved:
+        (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    run_ = SimpleNamespace(checkpointer=SimpleNamespace(dir=tmp_path / "checkpoints"),
+                           s=SimpleNamespace(train_cfg=SimpleNamespace(grad_clip=grad_clip)))
+    assert T.diverged(run_).endswith(end)
+
+
 def test_resume_keeps_the_runs_settings(tmp_path, char_data):
     """--init_from=resume takes the training settings from the checkpoint (not the preset's
     defaults); a contradicting flag names both values; max_iters and the like may change."""
@@ -161,6 +177,19 @@ def test_resume_refuses_edited_settings(section, edit):
     saved = {"train": {}, "compute": {}, section: edit}
     with pytest.raises(UserError, match=f"has {next(iter(edit))}=.*the checkpoint metadata was edited"):
         T._settings_for_resume(saved, c, t, explicit)
+
+
+def test_a_saved_mesh_that_does_not_fit_says_where_it_came_from():
+    """A run saved on 8 devices, resumed on others without --mesh: the line names the saved mesh
+    (which the user never typed here) and the flag that fixes it; a --mesh flag is not checked
+    against the saved one."""
+    m, c, t, explicit = build_train(["--preset=tiny", "--out_dir=o", "--init_from=resume"])
+    saved = {"train": {"mesh": "data:3"}, "compute": {}}
+    with pytest.raises(UserError, match=r"saved with --mesh=data:3, which does not fit here: --mesh=data:3 "
+                                        r"uses 3 devices but .*; pass --mesh for these"):
+        T._settings_for_resume(saved, c, t, explicit)
+    m, c, t, explicit = build_train(["--preset=tiny", "--out_dir=o", "--init_from=resume", "--mesh="])
+    assert T._settings_for_resume(saved, c, t, explicit)[1].mesh == ""
 
 
 def test_bad_inputs(tmp_path, char_data):
@@ -282,6 +311,11 @@ def test_llama_tiny_preset_trains_and_samples(tmp_path, char_data, capsys):
     assert sample.main([f"--out_dir={out}", "--prompt=ROMEO:", "--max_new_tokens=80", "--seed=1"]) == 0
     cap = capsys.readouterr()
     assert cap.out.startswith("ROMEO:") and len(cap.out) > 60 and "rolling KV cache" in cap.err
+    # README's --top_k=200 on a char vocabulary keeps every token, as nanoGPT does
+    assert sample.main([f"--out_dir={out}", "--prompt=ROMEO:", "--max_new_tokens=80", "--seed=1",
+                        "--top_k=200"]) == 0
+    again = capsys.readouterr()
+    assert again.out == cap.out and "--top_k=200 exceeds the vocabulary (62 tokens): every token is kept" in again.err
 
 
 def test_overwrite_replaces_old_checkpoints_only_after_saving(tmp_path, char_data, monkeypatch):
