@@ -25,12 +25,12 @@ import atexit
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import threading
 import time
 from typing import Any, Callable
-from urllib.parse import urlsplit
 
 import jax
 
@@ -138,16 +138,16 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
               "(5 minutes)", file=sys.stderr, flush=True)
 
 
+# HOST:PORT: a host name or IPv4 address, or an IPv6 address in brackets; a port of 1 to 5 digits
+ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})", re.ASCII)
+
+
 def check_address(address: str) -> None:
     """--coordinator_address must be HOST:PORT before jax sees it: given a port it cannot parse,
     jax's coordination service crashes the process (a segfault); given none, it fails with an
     IndexError, or waits out the whole timeout for a port outside 1..65535."""
-    try:
-        split = urlsplit("//" + address)
-        host, port = split.hostname, split.port
-    except ValueError:
-        host, port = None, None
-    if not host or port is None or port < 1 or "/" in address or "@" in address:
+    m = ADDRESS.fullmatch(address)
+    if m is None or not 1 <= int(m[2]) <= 65535:
         raise UserError(f"--coordinator_address={address!r} must be HOST:PORT with a port from 1 to 65535, "
                         f"e.g. 10.0.0.1:1234 (an IPv6 host in brackets: [fd00::1]:1234)")
 

@@ -88,14 +88,25 @@ def check_divisibility(cfg: ModelConfig, mesh: Mesh, global_batch: int) -> None:
         raise UserError(f"--n_expert={cfg.n_expert} is not divisible by the mesh's expert axis ({ep}); "
                         f"each device of that axis holds n_expert / {ep} experts")
     tp = mesh.shape["tensor"]
-    fits = [d for d in range(1, tp + 1) if cfg.n_head % d == 0 and cfg.ffn % d == 0 and mesh.size % d == 0]
-    fix = (f"; use a tensor size that divides n_head ({cfg.n_head}) and the MLP width ({cfg.ffn}), "
-           f"e.g. tensor:{max(fits)}")
     if cfg.n_head % tp:
         raise UserError(f"--n_head={cfg.n_head} is not divisible by the tensor-parallel degree {tp} "
-                        f"(each device of that axis holds n_head / {tp} heads){fix}")
+                        f"(each device of that axis holds n_head / {tp} heads); {tensor_fix(cfg, mesh, global_batch)}")
     if cfg.ffn % tp:
-        raise UserError(f"the MLP width {cfg.ffn} is not divisible by the tensor-parallel degree {tp}{fix}")
+        raise UserError(f"the MLP width {cfg.ffn} is not divisible by the tensor-parallel degree {tp}; "
+                        f"{tensor_fix(cfg, mesh, global_batch)}")
+
+
+def tensor_fix(cfg: ModelConfig, mesh: Mesh, global_batch: int) -> str:
+    """The largest tensor size below the mesh's that divides n_head and the MLP width, with the
+    devices it frees moved onto data, as a whole --mesh the batch also fits."""
+    sizes, tp = dict(mesh.shape), mesh.shape["tensor"]
+    for d in range(tp - 1, 0, -1):
+        new = {**sizes, "tensor": d, "data": sizes["data"] * tp // d}
+        if tp % d == 0 and cfg.n_head % d == 0 and cfg.ffn % d == 0 and \
+                global_batch % math.prod(new[a] for a in BATCH_AXES) == 0:
+            return "e.g. --mesh=" + ",".join(f"{a}:{new[a]}" for a in AXES if new[a] > 1)
+    return (f"use a tensor size that divides n_head ({cfg.n_head}) and the MLP width ({cfg.ffn}), "
+            f"with a --batch_size the other axes divide")
 
 
 def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
@@ -134,9 +145,9 @@ def param_shardings(model_state: Any, mesh: Mesh) -> Any:
 
 
 def fsdp_left_whole(model_state: Any, mesh: Mesh) -> str | None:
-    """A warning naming the weight matrices the mesh's fsdp axis divides no dimension of (a shape
-    needs one that divides exactly), which every device then holds whole with their optimizer
-    state, and their share of the parameters; None when they are under 1% of them."""
+    """A warning naming the weights (of two or more dimensions) the mesh's fsdp axis divides no
+    dimension of (a shape needs one that divides exactly), which every device then holds whole
+    with their optimizer state, and their share of the parameters; None when under 1% of them."""
     from flax import nnx
     fsdp = mesh.shape["fsdp"]
     if fsdp == 1:

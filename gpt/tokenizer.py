@@ -627,26 +627,36 @@ def hf_spec(path: Path, fix: str) -> tuple[bytes, object, dict]:
     data, hf = read_hf_file(path, fix)
     sha = hashlib.sha256(data).hexdigest()
     ids = special_ids(path.parent, hf)
+    n = hf.get_vocab_size(with_added_tokens=True)
     if ids["bos_id"] is None and ids["eot_id"] is None:
-        ids = recorded_ids(path.parent, sha) or ids
-    spec = {"kind": "hf", "file": HF_FILE, "sha256": sha,
-            "vocab_size": hf.get_vocab_size(with_added_tokens=True), **ids}
+        ids = recorded_ids(path.parent, sha, n) or ids
+    spec = {"kind": "hf", "file": HF_FILE, "sha256": sha, "vocab_size": n, **ids}
     return data, hf, spec
 
 
-def recorded_ids(run_dir: Path, sha256: str) -> dict | None:
+def recorded_ids(run_dir: Path, sha256: str, vocab_size: int) -> dict | None:
     """The BOS/EOS ids the newest checkpoint in `run_dir` recorded for this very tokenizer.json
-    (same sha256); None if it is not one of our run directories (or its metadata is unreadable)."""
-    from gpt import checkpoint as ckpt  # orbax and jax: only for a folder that has checkpoints
-    if not ckpt.list_steps(run_dir):
+    (same sha256), checked like a config's; None if it is not one of our run directories (or its
+    metadata is unreadable)."""
+    if not (run_dir / "checkpoints").is_dir():  # before importing orbax and jax
         return None
+    from gpt import checkpoint as ckpt
     try:
-        spec = ckpt.read_meta(run_dir)[1].get("tokenizer")
+        step, meta = ckpt.read_meta(run_dir)
     except UserError:
         return None
+    spec = meta.get("tokenizer")
     if not isinstance(spec, dict) or spec.get("kind") != "hf" or spec.get("sha256") != sha256:
         return None
-    return {k: spec[k] for k in ("bos_id", "eot_id", "stop_ids") if k in spec}
+    ids = {k: spec[k] for k in ("bos_id", "eot_id", "stop_ids") if k in spec}
+    single = [ids.get(k) for k in ("bos_id", "eot_id") if ids.get(k) is not None]
+    stops = ids.get("stop_ids", [])
+    valid = isinstance(stops, list) and len(stops) <= MAX_STOP_IDS and _token_ids(single + stops) == single + stops
+    if not valid or not all(0 <= i < vocab_size for i in single + stops):
+        raise UserError(f"the BOS/EOS ids recorded for {run_dir / HF_FILE} in its checkpoint step {step} are not "
+                        f"ids of its {vocab_size}-token vocabulary (the metadata was edited); pass the "
+                        f"tokenizer.json of the model's Hugging Face folder instead")
+    return ids
 
 
 def hf_tokenizer(data: bytes, hf, spec: dict, where: Path) -> HFTokenizer:
@@ -662,7 +672,8 @@ def hf_tokenizer(data: bytes, hf, spec: dict, where: Path) -> HFTokenizer:
     valid = isinstance(stops, list) and _token_ids(stops) == stops and len(stops) <= MAX_STOP_IDS
     valid = valid and all(0 <= v < spec["vocab_size"] for v in stops)
     if not valid or (stops and spec.get("eot_id") is None):
-        raise UserError(f"EOS ids {stops!r} recorded for tokenizer {where} are not a list of at most "
+        shown = repr(stops) if len(repr(stops)) <= 80 else repr(stops)[:77] + "..."
+        raise UserError(f"EOS ids {shown} recorded for tokenizer {where} are not a list of at most "
                         f"{MAX_STOP_IDS} ids of its {spec['vocab_size']}-token vocabulary beside an eot_id; "
                         f"fix the config files beside it")
     hf.encode_special_tokens = True  # corpus text that looks like a special token stays text

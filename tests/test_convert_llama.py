@@ -156,6 +156,15 @@ def test_converted_dir_samples_with_its_tokenizer(tmp_path, capsys):
     from gpt.tokenizer import hf_spec
     spec = hf_spec(out / "tokenizer.json", "fix")[2]
     assert (spec["bos_id"], spec["eot_id"], spec["stop_ids"]) == (1, 2, [stop])
+    meta_file = out / "checkpoints" / "0" / "meta" / "metadata"
+    saved = meta_file.read_text()
+    for edit in ({"eot_id": 10**9}, {"bos_id": True}, {"stop_ids": list(range(100))}):
+        meta = json.loads(saved)
+        meta["tokenizer"].update(edit)
+        meta_file.write_text(json.dumps(meta))
+        with pytest.raises(UserError, match="recorded for .* in its checkpoint step 0 are not ids"):
+            hf_spec(out / "tokenizer.json", "fix")
+    meta_file.write_text(saved)
 
     with torch.no_grad():
         gen = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=[2, stop],

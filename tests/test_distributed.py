@@ -254,7 +254,8 @@ def test_heartbeat_setting(monkeypatch, raw, want):
 
 @pytest.mark.parametrize("address", ["127.0.0.1:abc", "localhost:1234x", "[::1]", "127.0.0.1:-1",
                                      "127.0.0.1:", "127.0.0.1:70000", "127.0.0.1", "host:0", ":1234",
-                                     "http://host:1234"])
+                                     "http://host:1234", "127.0.0.1:12355?x", "127.0.0.1:12355#", "my host:1234",
+                                     "h\n:1234", "[fe80::1%eth0]:1234"])
 def test_a_malformed_coordinator_address_is_one_line(address):
     """jax's coordination service segfaults on a port it cannot parse and waits out its timeout on
     one out of range, so the address is checked before jax sees it."""

@@ -285,6 +285,25 @@ def test_readme_mesh_commands_fit_their_meshes():
         check_divisibility(m, SimpleNamespace(shape=sizes, size=n), t.batch_size)
 
 
+@pytest.mark.parametrize("preset, spec, batch, fix", [
+    ("gpt2", "tensor:8", 16, "e.g. --mesh=data:2,tensor:4"),
+    ("gpt2-xl", "fsdp:4,tensor:2", 16, "e.g. --mesh=data:2,fsdp:4"),
+    # data:8 would not divide the batch of 12: no mesh is suggested, the batch is named
+    ("gpt2-xl", "data:4,tensor:2", 12, "with a --batch_size the other axes divide")])
+def test_a_tensor_size_that_does_not_fit_suggests_a_whole_mesh_that_does(preset, spec, batch, fix):
+    from types import SimpleNamespace
+    from gpt.config import build_train
+    from gpt.errors import UserError
+    from gpt.sharding import check_divisibility, parse_mesh
+    m = build_train([f"--preset={preset}"])[0]
+    mesh = SimpleNamespace(shape=parse_mesh(spec, 8), size=8)
+    with pytest.raises(UserError, match="is not divisible by the tensor-parallel degree") as e:
+        check_divisibility(m, mesh, batch)
+    assert str(e.value).endswith(fix)
+    if "--mesh=" in fix:  # and the suggestion passes
+        check_divisibility(m, SimpleNamespace(shape=parse_mesh(fix.split("=")[1], 8), size=8), batch)
+
+
 def test_make_mesh_on_a_subset_and_batch_layout():
     import jax
 
