@@ -28,9 +28,12 @@ class Batches:
     shard, as before shards existed: old data dirs give the same batches).
 
     align_documents: every row starts at a document start instead, packed best-fit as nanochat
-    does: row r of batch i draws PACK_POOL documents with ``default_rng([seed, i, r])`` and
-    repeatedly takes the longest that fits the space left; when none fits, the shortest is cut
-    to fill the row. `cropped`/`drawn` count the tokens cut off and the tokens taken.
+    does: row r of batch i draws PACK_POOL documents with ``default_rng([seed, i, r])``; the first
+    drawn opens the row (cut if longer than it), then the row repeatedly takes the longest that
+    fits the space left, and when none fits, the shortest is cut to fill it. Opening with the first
+    draw gives every document the same chance to start a row: best fit alone never chose one
+    longer than a row while a shorter one remained. `cropped`/`drawn` count the tokens cut off
+    and the tokens taken.
     """
 
     def __init__(self, data_dir: str | os.PathLike, split: str, block_size: int, batch_size: int, *,
@@ -52,7 +55,7 @@ class Batches:
         self.split = split
         self.meta = load_meta(self.data_dir) if meta is None else meta  # a run reads it once
         check_split_sizes(self.meta, self.block_size)
-        self.tokens = store.SplitTokens(self.data_dir, self.meta, split)
+        self.tokens = store.open_split(self.data_dir, self.meta, split)
         self.shards = self.tokens.shards
         self.n_tokens = self.tokens.n_tokens
         windows = np.array([max(int(s.shape[0]) - self.block_size, 0) for s in self.shards], np.int64)
@@ -96,7 +99,12 @@ class Batches:
                 lengths = length_of[pool].astype(np.int64)
                 continue
             fits = np.where(lengths <= space, lengths, 0)
-            i = int(np.argmax(fits)) if fits.max() > 0 else int(np.argmin(np.where(lengths > 0, lengths, 1 << 62)))
+            if space == self.block_size + 1 and lengths[0]:
+                i = 0  # the first draw opens the row, whatever its length
+            elif fits.max() > 0:
+                i = int(np.argmax(fits))
+            else:
+                i = int(np.argmin(np.where(lengths > 0, lengths, 1 << 62)))
             take = min(int(lengths[i]), space)
             s, at = int(shard_of[pool[i]]), int(start_of[pool[i]])
             out[self.block_size + 1 - space:][:take] = self.shards[s][at:at + take]

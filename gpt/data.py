@@ -318,6 +318,10 @@ def _check_splits(meta: dict, s: Settings) -> None:
                         f"to val, and those past the cut hold all the text; {fix}")
     if tokens["val"] == 0 and (s.val_fraction > 0 or s.val_documents):
         raise UserError(f"the val split would be empty: no document ends past the val cut; {fix}")
+    if tokens["val"] == 0:
+        print("warning: --val_fraction 0 leaves no val split, and train.py evaluates on it: this store is "
+              "for reading its tokens, not for training (prepare again with --val_fraction 0.1 for that)",
+              file=sys.stderr)
     share, asked = tokens["val"] / (tokens["train"] + tokens["val"]), s.val_fraction
     if s.val_documents is None and asked > 0 and not asked / 2 <= share <= 2 * asked:
         print(f"warning: val holds {share:.0%} of the tokens, not the {asked:.0%} asked (whole documents go "

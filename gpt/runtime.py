@@ -234,10 +234,28 @@ def run_cpu_programs_inline() -> None:
 
 def prepare_process() -> Path | None:
     """What train.py, sample.py and gpt.evaluate do first, before anything runs or compiles (or
-    joins a multi-host job, which makes the CPU client): `run_cpu_programs_inline` and
-    `use_compilation_cache` (whose folder it returns)."""
+    joins a multi-host job, which makes the CPU client): `run_cpu_programs_inline`,
+    `raise_open_file_limit` and `use_compilation_cache` (whose folder it returns)."""
     run_cpu_programs_inline()
+    raise_open_file_limit()
     return use_compilation_cache()
+
+
+def raise_open_file_limit(want: int = 65536) -> None:
+    """Raise this process's soft limit on open files towards `want`, within its hard limit: each
+    mapped shard of a data store holds a file descriptor, and a corpus of a thousand shards
+    (2^27 tokens each by default) would pass the usual soft limit of 1,024."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass
 
 
 CACHE_ENV = "GPT_COMPILATION_CACHE"  # a folder for compiled programs, or 0 to compile every run afresh

@@ -10,7 +10,9 @@ Layout (format version 2):
 Why shards: a corpus larger than memory is written as it streams, a shard at a time, and a
 prepare that dies resumes from its last complete shard (gpt/data.py). A shard closes once it
 holds `shard_tokens` tokens, at the next document start (so documents rarely straddle shards;
-only one over 4x that size is cut inside).
+only one over 4x that size is cut), and only between the tokenizer's jobs (about 1 MB of text
+each, so that a resumed prepare restarts at a job): a shard holds `shard_tokens` tokens and
+up to a job's more, the last one the rest.
 
 Why a store dir: publishing writes the new store under a fresh name and then replaces meta.json
 atomically, so a crash at any point leaves either the old complete store or the new one (never
@@ -22,11 +24,13 @@ still loads.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import secrets
 import shutil
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -252,14 +256,34 @@ def _check_file(f: Path, want: int, how: str) -> None:
 class SplitTokens:
     """One split of a store, memory-mapped: `shards` (token arrays) and `starts` (where each
     document starts in its shard; None for a version 1 store). Opened once: re-creating a memmap
-    per batch (as nanoGPT does) leaks memory."""
+    per batch (as nanoGPT does) leaks memory. Each mapped shard holds a file descriptor, so
+    `starts` is read into memory when first asked for (--align_documents), not mapped."""
 
     def __init__(self, data_dir: Path, meta: dict, split: str):
-        folder, dtype = files_dir(data_dir, meta), np.dtype(meta["dtype"])
-        index = shard_index(meta, split)
-        self.shards = [np.memmap(folder / sh["file"], dtype=dtype, mode="r") if sh["tokens"] else
-                       np.zeros(0, dtype) for sh in index]
-        self.starts = None if any(sh["documents"] is None for sh in index) else [
-            np.memmap(folder / sh["file"].replace(".bin", ".docs"), dtype="<u8", mode="r") if sh["documents"]
-            else np.zeros(0, "<u8") for sh in index]
+        self.folder, dtype = files_dir(data_dir, meta), np.dtype(meta["dtype"])
+        self.index = shard_index(meta, split)
+        self.shards = [np.memmap(self.folder / sh["file"], dtype=dtype, mode="r") if sh["tokens"] else
+                       np.zeros(0, dtype) for sh in self.index]
         self.n_tokens = sum(int(s.shape[0]) for s in self.shards)
+
+    @functools.cached_property
+    def starts(self) -> list[np.ndarray] | None:
+        if any(sh["documents"] is None for sh in self.index):
+            return None
+        return [np.fromfile(self.folder / sh["file"].replace(".bin", ".docs"), dtype="<u8") if sh["documents"]
+                else np.zeros(0, "<u8") for sh in self.index]
+
+
+_OPEN: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def open_split(data_dir: Path, meta: dict, split: str) -> SplitTokens:
+    """The split's SplitTokens, shared while any holder lives: a run's training batches and its
+    evaluations of the train split map its shards once (a store of a few hundred shards mapped
+    twice ran out of file descriptors at the usual limit of 1,024)."""
+    key = (str(Path(data_dir).resolve()), split, json.dumps([meta.get("store"), meta["dtype"],
+                                                             shard_index(meta, split)], sort_keys=True))
+    tokens = _OPEN.get(key)
+    if tokens is None:
+        tokens = _OPEN[key] = SplitTokens(Path(data_dir), meta, split)
+    return tokens

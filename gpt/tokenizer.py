@@ -620,6 +620,14 @@ def special_ids(model_dir: Path, hf) -> dict:
     return out
 
 
+def hf_vocab_size(hf) -> int:
+    """The ids a `tokenizers.Tokenizer` can produce: its highest id plus one. A vocabulary with
+    gaps between its ids has fewer entries than that (get_vocab_size), and sizing the model and
+    the store's integers by the entries overflowed them or trained on ids past the embedding."""
+    ids = hf.get_vocab(with_added_tokens=True).values()
+    return max(max(ids, default=-1) + 1, hf.get_vocab_size(with_added_tokens=True))
+
+
 def hf_spec(path: Path, fix: str) -> tuple[bytes, object, dict]:
     """(bytes, `tokenizers.Tokenizer`, spec) of the tokenizer.json at `path`, with the BOS/EOS ids
     of the model directory it sits in: its Hugging Face configs, or where it is one of our run
@@ -627,7 +635,7 @@ def hf_spec(path: Path, fix: str) -> tuple[bytes, object, dict]:
     data, hf = read_hf_file(path, fix)
     sha = hashlib.sha256(data).hexdigest()
     ids = special_ids(path.parent, hf)
-    n = hf.get_vocab_size(with_added_tokens=True)
+    n = hf_vocab_size(hf)
     if ids["bos_id"] is None and ids["eot_id"] is None:
         ids = recorded_ids(path.parent, sha, n) or ids
     spec = {"kind": "hf", "file": HF_FILE, "sha256": sha, "vocab_size": n, **ids}
@@ -703,7 +711,7 @@ def load_hf_spec(spec: dict, base_dir: Path) -> HFTokenizer:
     path = inside(base_dir, spec.get("file"))
     fix = f"restore it into {base_dir}, or re-create that directory"
     data, hf = read_hf_file(path, fix, spec.get("sha256"))
-    n = hf.get_vocab_size(with_added_tokens=True)
+    n = hf_vocab_size(hf)
     if spec.get("vocab_size") != n:
         raise UserError(f"tokenizer {path} has {n} tokens, its spec says {spec.get('vocab_size')!r}; {fix}")
     return hf_tokenizer(data, hf, dict(spec), path)

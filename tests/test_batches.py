@@ -144,3 +144,24 @@ def test_best_fit_takes_the_longest_document_that_fits(tmp_path):
         row = b._packed_row(0, 0)
     assert row.tolist() == list(range(0, 7)) + [20, 21] + [10]  # 7 fits, then 2, then 4 is cut to 1
     assert (b.cropped, b.drawn) == (3, 10)
+    # the first document drawn opens the row even when it is longer than the row (best fit alone
+    # never took one while a shorter one remained: a corpus's long documents were never trained on)
+    b.docs, b.cropped, b.drawn = (np.zeros(4, np.int32), starts[[3, 0, 1, 2]], lengths[[3, 0, 1, 2]]), 0, 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batches, "PACK_POOL", 4)
+        mp.setattr(np.random, "default_rng", lambda *_: type("R", (), {"integers": lambda *a, **k: np.arange(4)})())
+        row = b._packed_row(0, 0)
+    assert row.tolist() == list(range(40, 50)) and (b.cropped, b.drawn) == (20, 10)
+
+
+def test_aligned_rows_use_documents_longer_than_a_row(sharded):
+    """Documents longer than a row open rows about as often as their share of the documents."""
+    T = 48
+    b = Batches(sharded, "train", T, 8, seed=3, align_documents=True)
+    shard_of, start_of, length_of = b.docs
+    long_heads = {tuple(b.shards[s][a:a + T + 1].tolist()) for s, a, n in zip(shard_of, start_of, length_of)
+                  if n > T + 1}
+    share = len(long_heads) / len(length_of)
+    rows = [np.concatenate([x, y[:, -1:]], axis=1) for x, y in (b.next() for _ in range(50))]
+    opened = np.mean([tuple(r.tolist()) in long_heads for batch in rows for r in batch])
+    assert 0.2 < share < 0.8 and abs(opened - share) < 0.15, (share, opened)

@@ -72,11 +72,12 @@ def test_char_matches_nanogpt_split(char_dir):
 
 
 @pytest.mark.parametrize("chunk", [3000, 1 << 20])
-def test_gpt2_streaming_is_exact(tmp_path, monkeypatch, chunk):
+def test_gpt2_streaming_is_exact(tmp_path, monkeypatch, chunk, capsys):
     monkeypatch.setattr(corpus, "CHUNK_BYTES", chunk)  # many small pieces: cuts must not change tokens
     text = SHAKESPEARE[:60_000] + "\n\nnon-ASCII: héllo 你好 🎉\n" * 50
     src = write(tmp_path / "a.txt", text)
     meta = prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0, workers=2)
+    assert "leaves no val split, and train.py evaluates on it" in capsys.readouterr().err
     assert read_bin(tmp_path / "out", "train").tolist() == GPT2.encode(text)
     assert meta["splits"]["val"]["tokens"] == 0 and meta["bytes_per_token"]["val"] is None
 

@@ -298,3 +298,18 @@ def test_command_buffers_off_is_one_program_option():
     off = resolve(tiny_model_config(), ComputeConfig(dtype="float32"), "gpu", command_buffers=False)
     assert compiler_options(off) == {"xla_gpu_enable_command_buffer": ""}
     assert float(jax.jit(lambda x: 2 * x, compiler_options=compiler_options(off))(jnp.float32(3))) == 6.0
+
+
+def test_the_open_file_limit_is_raised_within_the_hard_limit():
+    """A store's shards are mapped one descriptor each: the soft limit goes up, never past the hard."""
+    import resource
+    from gpt.runtime import raise_open_file_limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        low = 256 if hard == resource.RLIM_INFINITY else min(256, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+        raise_open_file_limit(4096)
+        got = resource.getrlimit(resource.RLIMIT_NOFILE)
+        assert got[1] == hard and got[0] == (4096 if hard == resource.RLIM_INFINITY else min(4096, hard))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

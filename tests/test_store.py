@@ -239,3 +239,23 @@ def test_edited_indexes_cannot_delete_or_hang(tmp_path):
     (out / "meta.json").write_text(json.dumps(bad))
     with pytest.raises(UserError, match="not sorted"):
         Batches(out, "train", 16, 4, seed=0, align_documents=True)
+
+
+def test_a_split_is_mapped_once_while_in_use(tmp_path, monkeypatch):
+    """Training's batches and each evaluation's batches of the train split share one mapping of
+    its shards, and the document starts are read, not mapped: every mapped file holds a
+    descriptor, and a store of a few hundred shards mapped twice ran out of them (limit 1,024)."""
+    import gc
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} of some text to fill a few shards"}) + "\n"
+                           for i in range(3000)))
+    monkeypatch.setattr(data, "CHUNK_BYTES", 1500)  # shards close between chunks of the input
+    prepare([src], "char", tmp_path / "d", shard_tokens=20_000)
+    a = Batches(tmp_path / "d", "train", 16, 4, seed=0)
+    b = Batches(tmp_path / "d", "train", 16, 4, seed=1)
+    assert a.tokens is b.tokens and len(a.shards) > 2
+    assert all(isinstance(s, np.ndarray) and not isinstance(s, np.memmap) for s in a.tokens.starts)
+    key_count = len(store._OPEN)
+    del a, b
+    gc.collect()
+    assert len(store._OPEN) < key_count  # released with its last holder

@@ -295,3 +295,23 @@ def test_hf_tokenizer_errors(hf_dir, tmp_path):
         load_tokenizer({**good.spec, "eot_id": None, "stop_ids": [3]}, tmp_path / "ok2")
     with pytest.raises(UserError, match="needs a path"):
         build_tokenizer("hf:", None, tmp_path / "o3")
+
+
+def test_hf_vocabulary_with_gaps_is_sized_by_its_highest_id(tmp_path):
+    """A tokenizer.json whose ids skip numbers: the vocabulary is its highest id plus one, so the
+    store's integers and the model's embedding hold every id it produces (5 entries, id 70000:
+    preparation overflowed uint16 with a traceback; with id 600 it stored ids past the model)."""
+    import json
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from gpt.data import load_meta, prepare
+    for top, dtype in ((600, "uint16"), (70000, "uint32")):
+        d = tmp_path / f"tok{top}"
+        d.mkdir()
+        hf = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "</s>": 3, "c": top}, unk_token="[UNK]"))
+        hf.pre_tokenizer = pre_tokenizers.Whitespace()
+        hf.save(str(d / "tokenizer.json"))
+        (d / "config.json").write_text(json.dumps({"eos_token_id": 3}))
+        (tmp_path / "in.txt").write_text("a b c " * 400)
+        prepare([tmp_path / "in.txt"], f"hf:{d / 'tokenizer.json'}", tmp_path / f"out{top}", val_fraction=0.1)
+        meta = load_meta(tmp_path / f"out{top}")
+        assert meta["vocab_size"] == meta["tokenizer"]["vocab_size"] == top + 1 and meta["dtype"] == dtype
