@@ -362,16 +362,28 @@ def foreign_entries(out_dir: str | Path) -> list[str]:
     return sorted(p.name for p in d.iterdir() if not _OURS.match(p.name) and TMP_MARKER not in p.name)
 
 
+RUN_LOGS = ("metrics.jsonl", "loss.png", "events.out.tfevents.*")  # a run's logs beside its checkpoints
+ASIDE_LOGS = "logs"  # inside ASIDE: the old run's logs
+
+
+def _run_logs(out: Path) -> list[Path]:
+    return [p for pattern in RUN_LOGS for p in sorted(out.glob(pattern)) if p.is_file()]
+
+
 def set_aside(out_dir: str | Path) -> Path | None:
-    """--overwrite: move the old checkpoints aside instead of deleting them; `settle_aside`
-    deletes them once the new run has a checkpoint, or puts them back if it has none. A leftover
-    from a run that died first is put back (or dropped if that run did save)."""
+    """--overwrite: move the old checkpoints, and the logs that go with them, aside instead of
+    deleting them; `settle_aside` deletes them once the new run has a checkpoint, or puts them
+    back if it has none. A leftover from a run that died first is put back (or dropped if that
+    run did save)."""
     out, d = Path(out_dir).absolute(), checkpoint_dir(out_dir)
     aside = out / ASIDE
     settle_aside(out, aside)
     if not d.exists():
         return None
     os.replace(d, aside)
+    (aside / ASIDE_LOGS).mkdir()
+    for p in _run_logs(out):
+        os.replace(p, aside / ASIDE_LOGS / p.name)
     return aside
 
 
@@ -389,9 +401,16 @@ def settle_aside(out_dir: str | Path, aside: Path | None) -> None:
         return
     if list_steps(out_dir):
         shutil.rmtree(aside, ignore_errors=True)
-    else:
-        remove_all(out_dir)
-        os.replace(aside, checkpoint_dir(out_dir))
+        return
+    remove_all(out_dir)
+    logs = aside / ASIDE_LOGS
+    if logs.is_dir():  # the failed run's logs give way to the old run's
+        for p in _run_logs(Path(out_dir)):
+            p.unlink()
+        for p in logs.iterdir():
+            os.replace(p, Path(out_dir) / p.name)
+        logs.rmdir()
+    os.replace(aside, checkpoint_dir(out_dir))
 
 
 def load_model(out_dir: str | Path, dtype: str = "auto", step: int | None = None):

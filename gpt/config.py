@@ -253,6 +253,24 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 
+MAX_INT = 2**31 - 1
+
+
+def _parse_int(key: str, raw: Any) -> int:
+    if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+        raise UserError(f"--{key} expects an integer, got {raw!r}")
+    try:
+        return int(raw) if not isinstance(raw, str) else int(raw.replace("_", ""))
+    except (ValueError, OverflowError):
+        try:  # allow 1e4-style integers
+            f = float(raw)
+        except ValueError:
+            f = math.nan
+        if f.is_integer():
+            return int(f)
+        raise UserError(f"--{key} expects an integer, got {raw!r}") from None
+
+
 def parse_value(key: str, raw: Any, typ: Any, sep: str | None = None) -> Any:
     """Convert `raw` (a string from the command line, or a TOML/JSON value) to the field's type.
 
@@ -280,18 +298,10 @@ def parse_value(key: str, raw: Any, typ: Any, sep: str | None = None) -> Any:
             return False
         raise UserError(f"--{key} expects true or false, got {raw!r}")
     if typ is int:
-        if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-            raise UserError(f"--{key} expects an integer, got {raw!r}")
-        try:
-            return int(raw) if not isinstance(raw, str) else int(raw.replace("_", ""))
-        except ValueError:
-            try:  # allow 1e4-style integers
-                f = float(raw)
-            except ValueError:
-                f = math.nan
-            if f.is_integer():
-                return int(f)
-            raise UserError(f"--{key} expects an integer, got {raw!r}") from None
+        value = _parse_int(key, raw)
+        if abs(value) > MAX_INT:  # sizes past int32 fail deep in XLA or numpy, with a traceback or abort
+            raise UserError(f"--{key}={raw} is beyond what any setting takes (at most {MAX_INT:,})")
+        return value
     if typ is float:
         if isinstance(raw, bool):
             raise UserError(f"--{key} expects a number, got {raw!r}")
@@ -314,7 +324,8 @@ def split_argv(argv: Sequence[str], bool_keys: set[str]) -> list[tuple[str, str]
         arg = argv[i]
         if not arg.startswith("--") or arg == "--":
             raise UserError(f"unexpected argument {arg!r} (settings are given as --key=value)")
-        body = arg[2:]
+        name, eq, rest = arg[2:].partition("=")
+        body = name.replace("-", "_") + eq + rest  # --no-progress, --scan-layers as --no_progress ...
         if "=" in body:
             key, value = body.split("=", 1)
         elif body in bool_keys and (i + 1 >= len(argv) or argv[i + 1].startswith("--")):
@@ -326,7 +337,7 @@ def split_argv(argv: Sequence[str], bool_keys: set[str]) -> list[tuple[str, str]
             i += 1
         else:
             raise UserError(f"--{body} needs a value (use --{body}=VALUE)")
-        pairs.append((key.replace("-", "_"), value))
+        pairs.append((key, value))
         i += 1
     return pairs
 
@@ -481,6 +492,31 @@ MOE_FLAGS = ("n_expert_per_token", "moe_every", "expert_capacity_factor", "moe_a
              "moe_z_loss_coef")
 
 
+def check_schedule_flags(t: TrainConfig, explicit: set[str]) -> None:
+    """A schedule setting the chosen --lr_schedule never reads would be silently ignored."""
+    unused = {"constant": ("min_lr", "decay_fraction", "lr_decay_iters"), "cosine": ("decay_fraction",)}
+    given = [k for k in unused.get(t.lr_schedule, ()) if k in explicit]
+    if given:
+        raise UserError(f"--{given[0]} has no effect with --lr_schedule={t.lr_schedule}; drop it, or choose "
+                        f"a schedule that uses it (cosine decays to --min_lr, wsd also takes --decay_fraction)")
+
+
+def schedule_warnings(t: TrainConfig) -> list[str]:
+    """Settings that make the schedule other than its name says: warmup past the run's end or past
+    the decay's, and (wsd) a decay that starts before warmup ends."""
+    decay_iters, out = t.lr_decay_iters or t.max_iters, []
+    if t.warmup_iters >= t.max_iters:
+        out.append(f"--warmup_iters={t.warmup_iters} is not below --max_iters={t.max_iters}: the learning rate "
+                   f"never reaches --learning_rate={t.learning_rate:g}")
+    elif t.lr_schedule != "constant" and decay_iters < t.warmup_iters:
+        out.append(f"--lr_decay_iters={decay_iters} ends before --warmup_iters={t.warmup_iters}: the learning rate "
+                   f"drops from its peak to --min_lr={t.min_lr:g} in one step after warmup")
+    elif t.lr_schedule == "wsd" and decay_iters * (1 - t.decay_fraction) < t.warmup_iters:
+        out.append(f"wsd's decay (the last {t.decay_fraction:g} of {decay_iters} steps) starts before "
+                   f"--warmup_iters={t.warmup_iters} ends: it never holds the peak")
+    return out
+
+
 def check_moe_flags(m: ModelConfig, t: TrainConfig, explicit: set[str]) -> None:
     """A mixture-of-experts setting on a dense model from scratch would be silently ignored."""
     given = sorted(k for k in MOE_FLAGS if k in explicit)
@@ -502,7 +538,7 @@ def validate_train(t: TrainConfig) -> TrainConfig:
                     "eval_interval", "eval_iters", "log_interval", "keep_checkpoints")
     _check_positive(t, "min_lr", "warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip",
                     "ckpt_interval", allow_zero=True)
-    if t.min_lr > t.learning_rate:
+    if t.min_lr > t.learning_rate and t.lr_schedule != "constant":
         raise UserError(f"--min_lr={t.min_lr} must not exceed --learning_rate={t.learning_rate} (the "
                         f"schedule decays to min_lr); set it too, e.g. --min_lr={t.learning_rate / 10:g}")
     for name in ("beta1", "beta2"):
@@ -513,13 +549,15 @@ def validate_train(t: TrainConfig) -> TrainConfig:
     _check_choice(t, "lr_schedule")
     if not t.out_dir:
         raise UserError("--out_dir must not be empty")
+    if not t.init_from:
+        raise UserError("--init_from must not be empty: scratch, resume, gpt2 or a directory of checkpoints")
     _check_seed(t.seed)
     _validate_lora(t)
     _check_positive(t, "expert_capacity_factor", "moe_aux_loss_coef", "moe_z_loss_coef", allow_zero=True)
     return t
 
 
-MAX_SEED = 2**31 - 1  # what every consumer of the seed (PRNG keys, numpy generators) takes
+MAX_SEED = MAX_INT  # what every consumer of the seed (PRNG keys, numpy generators) takes
 
 
 def _check_seed(seed: int) -> None:
@@ -599,6 +637,7 @@ def build_train(argv: Sequence[str], default_preset: str | None = "default"
     m, c, t = validate_model(m), validate_compute(c), validate_train(t)
     check_lora_flags(t, explicit)
     check_moe_flags(m, t, explicit)
+    check_schedule_flags(t, explicit)
     return m, c, t, explicit
 
 

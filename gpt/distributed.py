@@ -85,22 +85,7 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
     """
     timeout_s = _timeout(timeout_s)
     heartbeat_s = _seconds(HEARTBEAT_ENV, HEARTBEAT_S)
-    kwargs: dict[str, Any] = {}
-    if coordinator_address:
-        check_address(coordinator_address)
-        if num_processes < 1 or process_id < 0:
-            got = ", ".join(f"--{k}={v}" for k, v, unset, bad in (
-                ("num_processes", num_processes, 0, num_processes < 1), ("process_id", process_id, -1, process_id < 0))
-                if bad and v != unset)
-            raise UserError("--coordinator_address needs --num_processes=N (at least 1) and --process_id=I "
-                            "(from 0)" + (f"; got {got}" if got else ""))
-        if not 0 <= process_id < num_processes:
-            raise UserError(f"--process_id={process_id} must be in [0, {num_processes})")
-        kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
-                      process_id=process_id)
-    elif num_processes or process_id != -1:
-        raise UserError("--num_processes/--process_id need --coordinator_address=HOST:PORT "
-                        "(or leave all three out on TPU pods and SLURM, where they are detected)")
+    kwargs = _job(coordinator_address, num_processes, process_id)
     # An unreachable coordinator (or a process that never starts) makes jax's client abort the whole
     # process with a C++ fatal log once its own deadline passes; a watchdog fires first and exits
     # with the usual one-line error instead.
@@ -136,6 +121,25 @@ def init_distributed(coordinator_address: str = "", num_processes: int = 0, proc
         print("warning: this jax release hides its distributed client, so a process that fails "
               "mid-run is not announced: the others wait for it until jax's exit barrier times out "
               "(5 minutes)", file=sys.stderr, flush=True)
+
+
+def _job(coordinator_address: str, num_processes: int, process_id: int) -> dict[str, Any]:
+    """jax.distributed.initialize's explicit job (nothing: auto-detected), checked first."""
+    if not coordinator_address:
+        if num_processes or process_id != -1:
+            raise UserError("--num_processes/--process_id need --coordinator_address=HOST:PORT "
+                            "(or leave all three out on TPU pods and SLURM, where they are detected)")
+        return {}
+    check_address(coordinator_address)
+    if num_processes < 1 or process_id < 0:
+        got = ", ".join(f"--{k}={v}" for k, v, unset, bad in (
+            ("num_processes", num_processes, 0, num_processes < 1), ("process_id", process_id, -1, process_id < 0))
+            if bad and v != unset)
+        raise UserError("--coordinator_address needs --num_processes=N (at least 1) and --process_id=I "
+                        "(from 0)" + (f"; got {got}" if got else ""))
+    if not 0 <= process_id < num_processes:
+        raise UserError(f"--process_id={process_id} must be in [0, {num_processes})")
+    return dict(coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id)
 
 
 # HOST:PORT: a host name or IPv4 address, or an IPv6 address in brackets; a port of 1 to 5 digits

@@ -21,8 +21,8 @@ import numpy as np
 from gpt.tokenizer import atomic_write_bytes
 
 # Dense bf16 peak TFLOP/s by device kind (substring match on jax's device_kind).
-VENDOR_PEAK_BF16 = {
-    "H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 125.0, "RTX 4090": 165.2,
+VENDOR_PEAK_BF16 = {  # dense; the first name found in the device kind wins (the PCIe card before "H100")
+    "H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 125.0, "RTX 4090": 165.2,
     "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6": 918.0,
 }
 
@@ -167,8 +167,8 @@ class MetricsLog:
             self.path.unlink(missing_ok=True)
             for events in self.out_dir.glob("events.out.tfevents.*"):
                 events.unlink()
-        if tensorboard:
-            self.writer = _tensorboard_writer(self.out_dir)
+        if tensorboard:  # on resume, TensorBoard drops the old files' events after the checkpoint
+            self.writer = _tensorboard_writer(self.out_dir, None if resume_step is None else resume_step + 1)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -222,11 +222,13 @@ class MetricsLog:
             self.writer.close()
 
 
-def _tensorboard_writer(out_dir: Path) -> Any:
+def _tensorboard_writer(out_dir: Path, purge_step: int | None = None) -> Any:
     """tensorboardX's SummaryWriter (None without tensorboardX). Where torch is installed,
     tensorboardX imports it at import time, only to accept torch tensors (we log floats): 1.3-1.7 s
     of every training start on a 2-core CPU. So torch is hidden while tensorboardX loads (an import
-    of it fails there and tensorboardX goes on without it), and visible again right after."""
+    of it fails there and tensorboardX goes on without it), and visible again right after.
+    `purge_step` (a resumed run's first step) has TensorBoard discard the events of earlier files
+    from that step on, which a crash after the checkpoint left and the run now recomputes."""
     hide = "torch" not in sys.modules
     if hide:
         sys.modules["torch"] = None  # type: ignore[assignment]  # "import torch" raises ImportError
@@ -237,7 +239,7 @@ def _tensorboard_writer(out_dir: Path) -> Any:
     finally:
         if hide:
             del sys.modules["torch"]
-    return SummaryWriter(str(out_dir), flush_secs=30)
+    return SummaryWriter(str(out_dir), flush_secs=30, purge_step=purge_step)
 
 
 def _finite_or_null(v: Any) -> Any:

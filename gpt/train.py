@@ -35,7 +35,7 @@ from gpt import store
 from gpt import metrics as metrics_lib
 from gpt import moe as moe_lib
 from gpt import sharding
-from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, to_dict
+from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, schedule_warnings, to_dict
 from gpt.errors import UserError
 from gpt.model import GPT, abstract_model, flops_per_token, num_params
 from gpt.ops.cross_entropy import cross_entropy  # noqa: F401 - re-exported (the tests use it)
@@ -300,6 +300,9 @@ def check_writable_dir(path: Path, flag: str) -> None:
         raise UserError(f"{flag}={path} is a file, not a directory; pass a directory")
     parent = path
     while not parent.exists():
+        if parent.is_symlink():
+            raise UserError(f"{flag}={path}: {parent} is a link to {os.readlink(parent)}, which does not exist; "
+                            f"create that directory, or pass another")
         parent = parent.parent
     if not parent.is_dir():
         raise UserError(f"{flag}={path} lies under {parent}, which is a file; pass a directory")
@@ -617,6 +620,8 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
         state = restore_state(checkpointer, state, shards)
         log(f"resuming from step {state.step} in {out}")
     log(start_line(s, state, rt, mesh))
+    for warning in schedule_warnings(t):
+        log(f"warning: {warning}")
     if (whole := sharding.fsdp_left_whole(nnx.state(model_shape), mesh)) is not None:
         log(whole)
     copy_tokenizer_files(s, out)
@@ -778,12 +783,16 @@ class Progress:
         self.t_mark, self.tokens = now, 0
         return rate
 
-    def show(self, host: dict, rate: dict) -> None:
-        if self.bar is not None:
-            mfu = f"{100 * rate['mfu']:.1f}%" if rate["mfu"] is not None else "-"
-            tps = f"{rate['tokens_per_sec']:,.0f}" if rate["tokens_per_sec"] is not None else "-"
+    def show(self, host: dict, rate: dict, step: int) -> None:
+        """The log step's figures on the bar, or as a line where there is none (--no_progress,
+        or stderr not a terminal), as nanoGPT prints them."""
+        mfu = f"{100 * rate['mfu']:.1f}%" if rate["mfu"] is not None else "-"
+        tps = f"{rate['tokens_per_sec']:,.0f}" if rate["tokens_per_sec"] is not None else "-"
+        if self.bar is not None and not self.bar.disable:
             self.bar.set_postfix_str(f"loss {host['loss']:.4f} lr {host['lr']:.2e} tok/s {tps} mfu {mfu}",
                                      refresh=False)
+        else:
+            self.log(f"step {step}: loss {host['loss']:.4f}, lr {host['lr']:.2e}, {tps} tok/s, mfu {mfu}")
 
     def write(self, msg: str) -> None:
         self.bar.write(msg, file=sys.stderr) if self.bar is not None else self.log(msg)
@@ -814,7 +823,7 @@ def log_and_evaluate(run: Run, state: State, metrics: dict, prog: Progress, at_l
         run.mlog.write({"kind": "train", "step": state.step, "loss": host["loss"], "lr": host["lr"],
                         "grad_norm": host["grad_norm"], **moe_record(host, run.s.model_cfg), **rate,
                         "elapsed_sec": elapsed})
-        prog.show(host, rate)
+        prog.show(host, rate, state.step)
     if not at_eval:
         return host["loss"], None
     ev = run_eval(run, state, state.step)
@@ -836,6 +845,7 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
     t = s.train_cfg
     mesh = sharding.make_mesh(t.mesh)  # the mesh is validated before anything touches out_dir
     sharding.check_divisibility(s.model_cfg, mesh, t.batch_size)
+    check_host_batch(t, s.model_cfg.block_size)
     new_dir = not Path(t.out_dir).exists()
     out, aside = Path(t.out_dir), None
     try:
@@ -844,6 +854,23 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
     finally:  # the old checkpoints go once this run has one: else they come back
         if sharding.is_main_process():
             _clean_up(out, aside, new_dir)
+
+
+def check_host_batch(t: TrainConfig, block_size: int) -> None:
+    """A step's batch is built on the host (int32 rows of block_size + 1 tokens, this process's
+    share): one larger than the memory available would have the kernel kill the run (Linux's
+    MemAvailable; elsewhere not checked)."""
+    rows = t.batch_size * t.gradient_accumulation_steps // jax.process_count()
+    need = rows * (block_size + 1) * 4 * 2  # the windows, then x and y
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            free = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, ValueError, StopIteration, IndexError):
+        return
+    if need > free:
+        raise UserError(f"a step's batch ({rows:,} rows of {block_size + 1} tokens: --batch_size={t.batch_size} x "
+                        f"--gradient_accumulation_steps={t.gradient_accumulation_steps}) needs {need / 1e9:.1f} GB "
+                        f"of host memory, with {free / 1e9:.1f} GB available; lower them")
 
 
 def _clean_up(out: Path, aside: Path | None, new_dir: bool) -> None:
@@ -897,6 +924,7 @@ def _run(s: Setup, mesh, out: Path, log: Callable[[str], None], aside: Path | No
                     check_savable(run, state)
                     save(run, state, ev["val_loss"] if ev else None)
                     aside = ckpt.drop_aside_once_saved(out, aside)  # the space comes back early
+                    prog.t_mark = time.perf_counter()  # nor saving (the rate just reset the tokens)
             if prog.bar is not None:
                 prog.bar.update(1)
             if stopping:

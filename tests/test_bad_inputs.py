@@ -205,6 +205,10 @@ def cases(w) -> list[Case]:
              two_devices),
         Case("train model too big for memory", T + [f"--out_dir={new}", "--n_embd=1048576", "--n_head=1",
                                                      "--block_size=8", "--max_iters=1"], "out of memory", new),
+        Case("train batch beyond host memory", T + [f"--out_dir={new}", "--batch_size=1000000000"],
+             "of host memory", new),  # the kernel's OOM killer ended the run before
+        Case("train size beyond int32", T + [f"--out_dir={new}", "--n_layer=10000000000000000"],
+             "beyond what any setting takes", new),  # XLA aborted
         Case("train mesh size", T + [f"--out_dir={new}", "--mesh=data:3"], "--mesh=data:3", new),
         Case("train mesh axis", T + [f"--out_dir={new}", "--mesh=model:1"], "unknown axis", new),
         # train.py: mixture of experts

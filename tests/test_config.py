@@ -153,3 +153,45 @@ def test_help_shows_the_values_a_run_starts_from():
     assert "unknown preset 'gpt3' (did you mean gpt2?)" in bad[2] and "  --n_layer=12" in bad
     sample = help_text([SampleConfig]).splitlines()  # no preset sets a sampling setting
     assert "preset" not in sample[0] and sample[1] == "  values as this command line sets them:"
+
+
+def test_hyphens_work_for_on_off_flags_too():
+    """--max-iters=3 worked but --no-progress and a bare --scan-layers were refused."""
+    m, c, t, _ = parse(["--no-progress", "--scan-layers", "--max-iters=3"])
+    assert t.progress is False and c.scan_layers is True and t.max_iters == 3
+
+
+def test_schedule_settings_it_never_reads_are_refused():
+    """A constant rate needs no --min_lr below it; a setting the schedule ignores is one line."""
+    assert parse(["--lr_schedule=constant", "--learning_rate=1e-4"])[2].learning_rate == 1e-4
+    for argv, flag in [(["--lr_schedule=constant", "--min_lr=1e-5"], "--min_lr"),
+                       (["--lr_schedule=cosine", "--decay_fraction=0.3"], "--decay_fraction"),
+                       (["--lr_schedule=constant", "--lr_decay_iters=50"], "--lr_decay_iters")]:
+        with pytest.raises(UserError, match=f"{flag} has no effect with --lr_schedule="):
+            parse(argv)
+    assert parse(["--lr_schedule=wsd", "--decay_fraction=0.3"])[2].decay_fraction == 0.3
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--warmup_iters=50", "--max_iters=20"], "never reaches --learning_rate"),
+    (["--warmup_iters=10", "--lr_decay_iters=5", "--max_iters=20"], "drops from its peak"),
+    (["--lr_schedule=wsd", "--warmup_iters=18", "--max_iters=20", "--lr_decay_iters=20"], "never holds the peak"),
+    (["--warmup_iters=10", "--max_iters=100"], None)])
+def test_schedules_that_undo_themselves_are_warned_of(argv, words):
+    from gpt.config import schedule_warnings
+    got = schedule_warnings(parse(argv)[2])
+    assert (got == []) if words is None else (len(got) == 1 and words in got[0])
+
+
+def test_an_empty_init_from_is_refused():
+    """It was read as the directory '.', and the error then named --out_dir=."""
+    with pytest.raises(UserError, match="--init_from must not be empty"):
+        parse(["--init_from="])
+
+
+def test_sizes_past_int32_are_one_line():
+    """They aborted XLA (n_layer) or numpy (batch_size) with a traceback."""
+    for argv in (["--n_layer=10000000000000000"], ["--batch_size=100000000000000000000"],
+                 ["--gradient_accumulation_steps=1e13"]):
+        with pytest.raises(UserError, match="beyond what any setting takes"):
+            parse(argv)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +70,40 @@ def test_plot_and_tensorboard_events(tmp_path):
     assert json.loads(log.path.read_text().splitlines()[0])["lr"] == 1e-3
 
 
+def _events(path):
+    """The Event protos of one TensorBoard file (TFRecords: length, its CRC, data, its CRC)."""
+    import struct
+    from tensorboardX.proto import event_pb2
+    data, at, out = path.read_bytes(), 0, []
+    while at < len(data):
+        (n,) = struct.unpack("<Q", data[at:at + 8])
+        out.append(event_pb2.Event.FromString(data[at + 12:at + 12 + n]))
+        at += 12 + n + 4
+    return out
+
+
+def test_a_resumed_log_has_tensorboard_drop_the_recomputed_steps(tmp_path):
+    """A crash after the checkpoint at step 20 left events up to 30 in the old file; the resumed
+    run's file opens with a START at step 21, from which TensorBoard discards the old files' events
+    (metrics.jsonl drops those lines itself)."""
+    log = MetricsLog(tmp_path)
+    for step in range(5, 31, 5):
+        log.write({"kind": "train", "step": step, "loss": 3.0})
+    log.close()
+    first = set(tmp_path.glob("events.out.tfevents.*"))
+    time.sleep(1.1)  # event file names carry the second they were opened
+    log = MetricsLog(tmp_path, resume_step=20)
+    log.write({"kind": "train", "step": 25, "loss": 2.0})
+    log.close()
+    assert [r["step"] for r in log.records()] == [5, 10, 15, 20, 25]
+    (new,) = set(tmp_path.glob("events.out.tfevents.*")) - first
+    starts = [e.step for e in _events(new) if e.HasField("session_log")]
+    assert starts == [21]
+    fresh = tmp_path / "fresh"
+    MetricsLog(fresh).close()
+    assert not any(e.HasField("session_log") for p in fresh.glob("events.*") for e in _events(p))
+
+
 def test_tensorboard_events_without_loading_torch(tmp_path):
     """tensorboardX imports torch where it is installed (1.3-1.7 s of every training start on a
     2-core CPU); the metrics log keeps torch out, and leaves it importable afterwards."""
@@ -90,3 +125,13 @@ def test_measured_ceilings_and_names_are_sane():
     assert device_name()
     assert vendor_peak_tflops("float32") is None or vendor_peak_tflops("float32") > 0
     assert to_host({"a": jnp.array(1.5), "b": np.float32(2)}) == {"a": 1.5, "b": 2.0}
+
+
+@pytest.mark.parametrize("kind, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                        ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA B9", None)])
+def test_vendor_peak_by_device_kind(monkeypatch, kind, peak):
+    """The PCIe H100 peaks at 756 TFLOP/s, not the SXM card's 989: its MFU was understated."""
+    from types import SimpleNamespace
+    import gpt.metrics as metrics
+    monkeypatch.setattr(metrics.jax, "devices", lambda: [SimpleNamespace(platform="gpu", device_kind=kind)])
+    assert metrics.vendor_peak_tflops("bfloat16") == peak

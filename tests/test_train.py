@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -179,6 +180,18 @@ def test_resume_refuses_edited_settings(section, edit):
         T._settings_for_resume(saved, c, t, explicit)
 
 
+def test_without_a_bar_each_log_step_is_a_line(tmp_path, char_data):
+    """--no_progress (or stderr not a terminal): the loss, lr, tokens/s and MFU of every log step
+    are printed as lines, as nanoGPT prints them (only evaluations were); schedule settings that
+    undo the schedule are a warning."""
+    said = []
+    T.train(T.prepare_setup(*configs(tmp_path / "o", char_data, "--max_iters=4", "--log_interval=2",
+                                     "--eval_interval=4", "--warmup_iters=10")), log=said.append)
+    steps = [line.split(":")[0] for line in said if re.match(r"step \d+: loss [\d.]+, lr .*, .* tok/s, mfu", line)]
+    assert steps == ["step 2", "step 4"], said
+    assert any(line.startswith("warning: --warmup_iters=10 is not below --max_iters=4") for line in said)
+
+
 def test_a_saved_mesh_that_does_not_fit_says_where_it_came_from():
     """A run saved on 8 devices, resumed on others without --mesh: the line names the saved mesh
     (which the user never typed here) and the flag that fixes it; a --mesh flag is not checked
@@ -209,6 +222,10 @@ def test_bad_inputs(tmp_path, char_data):
         run(tmp_path / "f", char_data)
     with pytest.raises(UserError, match=r"--out_dir=.*f/sub lies under .*f, which is a file"):
         run(tmp_path / "f" / "sub", char_data)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "out")  # a FileExistsError traceback before
+    for where in (tmp_path / "dangling", tmp_path / "dangling" / "sub"):
+        with pytest.raises(UserError, match=r"dangling is a link to .*nowhere/out, which does not exist"):
+            run(where, char_data)
 
 
 def test_unwritable_out_dir_is_one_line(tmp_path, char_data, monkeypatch):
@@ -335,6 +352,15 @@ def test_overwrite_replaces_old_checkpoints_only_after_saving(tmp_path, char_dat
         run(out, char_data, "--max_iters=3", "--eval_interval=3", "--overwrite")
     assert ckpt.list_steps(out) == old and not (out / ckpt.ASIDE).exists()
     monkeypatch.undo()
+    # a run that fails mid-way: the old run's logs come back with its checkpoints (they were gone,
+    # and a resume then mixed the failed run's records into them)
+    logs = {p.name: p.read_bytes() for p in [out / "metrics.jsonl", out / "loss.png", *events]}
+    with pytest.raises(UserError, match="loss became nan"):
+        run(out, char_data, "--max_iters=20", "--eval_interval=10", "--overwrite", "--learning_rate=1e30",
+            "--min_lr=0", "--grad_clip=0", "--warmup_iters=0", "--log_interval=1")
+    assert ckpt.list_steps(out) == old and not (out / ckpt.ASIDE).exists()
+    assert {p.name: p.read_bytes() for p in [out / "metrics.jsonl", out / "loss.png",
+                                             *sorted(out.glob("events.out.tfevents.*"))]} == logs
 
     (out / "checkpoints").rename(out / ckpt.ASIDE)  # as if an --overwrite run died before saving
     (out / "checkpoints").mkdir()
