@@ -364,6 +364,7 @@ def foreign_entries(out_dir: str | Path) -> list[str]:
 
 RUN_LOGS = ("metrics.jsonl", "loss.png", "events.out.tfevents.*")  # a run's logs beside its checkpoints
 ASIDE_LOGS = "logs"  # inside ASIDE: the old run's logs
+LOGS_MOVED = ".all-moved"  # in ASIDE_LOGS once set_aside has moved every log (a kill may stop it midway)
 
 
 def _run_logs(out: Path) -> list[Path]:
@@ -384,6 +385,7 @@ def set_aside(out_dir: str | Path) -> Path | None:
     (aside / ASIDE_LOGS).mkdir()
     for p in _run_logs(out):
         os.replace(p, aside / ASIDE_LOGS / p.name)
+    (aside / ASIDE_LOGS / LOGS_MOVED).touch()  # every log is aside: the ones in out are the new run's
     return aside
 
 
@@ -405,8 +407,10 @@ def settle_aside(out_dir: str | Path, aside: Path | None) -> None:
     remove_all(out_dir)
     logs = aside / ASIDE_LOGS
     if logs.is_dir():  # the failed run's logs give way to the old run's
-        for p in _run_logs(Path(out_dir)):
-            p.unlink()
+        if (logs / LOGS_MOVED).exists():  # else set_aside was cut short: out's logs are the old run's too
+            for p in _run_logs(Path(out_dir)):
+                p.unlink()
+        (logs / LOGS_MOVED).unlink(missing_ok=True)
         for p in logs.iterdir():
             os.replace(p, Path(out_dir) / p.name)
         logs.rmdir()

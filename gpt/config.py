@@ -492,18 +492,9 @@ MOE_FLAGS = ("n_expert_per_token", "moe_every", "expert_capacity_factor", "moe_a
              "moe_z_loss_coef")
 
 
-def check_schedule_flags(t: TrainConfig, explicit: set[str]) -> None:
-    """A schedule setting the chosen --lr_schedule never reads would be silently ignored."""
-    unused = {"constant": ("min_lr", "decay_fraction", "lr_decay_iters"), "cosine": ("decay_fraction",)}
-    given = [k for k in unused.get(t.lr_schedule, ()) if k in explicit]
-    if given:
-        raise UserError(f"--{given[0]} has no effect with --lr_schedule={t.lr_schedule}; drop it, or choose "
-                        f"a schedule that uses it (cosine decays to --min_lr, wsd also takes --decay_fraction)")
-
-
 def schedule_warnings(t: TrainConfig) -> list[str]:
     """Settings that make the schedule other than its name says: warmup past the run's end or past
-    the decay's, and (wsd) a decay that starts before warmup ends."""
+    the decay's, and (wsd) a decay that starts before warmup ends or after the run."""
     decay_iters, out = t.lr_decay_iters or t.max_iters, []
     if t.warmup_iters >= t.max_iters:
         out.append(f"--warmup_iters={t.warmup_iters} is not below --max_iters={t.max_iters}: the learning rate "
@@ -514,6 +505,10 @@ def schedule_warnings(t: TrainConfig) -> list[str]:
     elif t.lr_schedule == "wsd" and decay_iters * (1 - t.decay_fraction) < t.warmup_iters:
         out.append(f"wsd's decay (the last {t.decay_fraction:g} of {decay_iters} steps) starts before "
                    f"--warmup_iters={t.warmup_iters} ends: it never holds the peak")
+    elif t.lr_schedule == "wsd" and decay_iters * (1 - t.decay_fraction) >= t.max_iters:
+        out.append(f"wsd's decay (the last {t.decay_fraction:g} of --lr_decay_iters={decay_iters} steps) starts "
+                   f"after --max_iters={t.max_iters}: the run ends at the peak rate (--lr_decay_iters=0 decays "
+                   f"over the run)")
     return out
 
 
@@ -637,7 +632,6 @@ def build_train(argv: Sequence[str], default_preset: str | None = "default"
     m, c, t = validate_model(m), validate_compute(c), validate_train(t)
     check_lora_flags(t, explicit)
     check_moe_flags(m, t, explicit)
-    check_schedule_flags(t, explicit)
     return m, c, t, explicit
 
 

@@ -250,12 +250,15 @@ def raise_open_file_limit(want: int = 65536) -> None:
     except ImportError:  # not on POSIX
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
+    top = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    for target in (top, min(top, 10240), min(top, 4096)):  # macOS: at most kern.maxfilesperproc
+        if soft == resource.RLIM_INFINITY or soft >= target:
+            return
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return
         except (ValueError, OSError):
-            pass
+            continue
 
 
 CACHE_ENV = "GPT_COMPILATION_CACHE"  # a folder for compiled programs, or 0 to compile every run afresh

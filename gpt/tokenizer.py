@@ -712,6 +712,8 @@ def load_hf_spec(spec: dict, base_dir: Path) -> HFTokenizer:
     fix = f"restore it into {base_dir}, or re-create that directory"
     data, hf = read_hf_file(path, fix, spec.get("sha256"))
     n = hf_vocab_size(hf)
+    if spec.get("vocab_size") == hf.get_vocab_size(with_added_tokens=True):
+        n = spec["vocab_size"]  # counted by entries, as before hf_vocab_size: its data and model agree
     if spec.get("vocab_size") != n:
         raise UserError(f"tokenizer {path} has {n} tokens, its spec says {spec.get('vocab_size')!r}; {fix}")
     return hf_tokenizer(data, hf, dict(spec), path)

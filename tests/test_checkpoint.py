@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 
 import jax
@@ -163,3 +164,26 @@ def test_odd_out_dirs_are_one_line(tmp_path):
     (tmp_path / "out" / "checkpoints" / "\u00b2").mkdir(parents=True)
     (tmp_path / "out" / "checkpoints" / "7").mkdir()
     assert ck.list_steps(tmp_path / "out") == [7]
+
+
+def test_overwrite_logs_come_back_even_from_a_set_aside_cut_short(tmp_path):
+    """--overwrite moves the old run's logs aside with its checkpoints; a failed run's logs give
+    way to them. A kill in the middle of the moves leaves some logs in out: those are the old
+    run's too and must stay (they were taken for the failed run's and deleted)."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "4").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("old\n")
+    (out / "events.out.tfevents.1").write_text("old events")
+    aside = ckpt.set_aside(out)
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    (out / "metrics.jsonl").write_text("failed run\n")  # a run that stops before its first save
+    ckpt.settle_aside(out, aside)
+    assert (out / "metrics.jsonl").read_text() == "old\n" and (out / "events.out.tfevents.1").exists()
+    assert ckpt.list_steps(out) == [4] and not aside.exists()
+    # killed after moving the checkpoints and one log: the next start puts everything back
+    os.replace(out / "checkpoints", aside)
+    (aside / ckpt.ASIDE_LOGS).mkdir()
+    os.replace(out / "metrics.jsonl", aside / ckpt.ASIDE_LOGS / "metrics.jsonl")
+    ckpt.settle_aside(out, aside)
+    assert (out / "metrics.jsonl").read_text() == "old\n" and (out / "events.out.tfevents.1").read_text() == "old events"
+    assert ckpt.list_steps(out) == [4] and not aside.exists()

@@ -161,21 +161,18 @@ def test_hyphens_work_for_on_off_flags_too():
     assert t.progress is False and c.scan_layers is True and t.max_iters == 3
 
 
-def test_schedule_settings_it_never_reads_are_refused():
-    """A constant rate needs no --min_lr below it; a setting the schedule ignores is one line."""
+def test_a_constant_schedule_needs_no_min_lr_below_it():
+    """The constant rate never reads --min_lr (the default preset's 4e-4 was refused above 1e-4)."""
     assert parse(["--lr_schedule=constant", "--learning_rate=1e-4"])[2].learning_rate == 1e-4
-    for argv, flag in [(["--lr_schedule=constant", "--min_lr=1e-5"], "--min_lr"),
-                       (["--lr_schedule=cosine", "--decay_fraction=0.3"], "--decay_fraction"),
-                       (["--lr_schedule=constant", "--lr_decay_iters=50"], "--lr_decay_iters")]:
-        with pytest.raises(UserError, match=f"{flag} has no effect with --lr_schedule="):
-            parse(argv)
-    assert parse(["--lr_schedule=wsd", "--decay_fraction=0.3"])[2].decay_fraction == 0.3
+    assert parse(["--lr_schedule=constant", "--learning_rate=1e-4", "--min_lr=1e-5"])[2].min_lr == 1e-5
 
 
 @pytest.mark.parametrize("argv, words", [
     (["--warmup_iters=50", "--max_iters=20"], "never reaches --learning_rate"),
     (["--warmup_iters=10", "--lr_decay_iters=5", "--max_iters=20"], "drops from its peak"),
     (["--lr_schedule=wsd", "--warmup_iters=18", "--max_iters=20", "--lr_decay_iters=20"], "never holds the peak"),
+    (["--lr_schedule=wsd", "--max_iters=1000"], "the run ends at the peak rate"),  # the preset's 2000
+    (["--lr_schedule=wsd", "--max_iters=1000", "--lr_decay_iters=0"], None),
     (["--warmup_iters=10", "--max_iters=100"], None)])
 def test_schedules_that_undo_themselves_are_warned_of(argv, words):
     from gpt.config import schedule_warnings

@@ -313,3 +313,19 @@ def test_the_open_file_limit_is_raised_within_the_hard_limit():
         assert got[1] == hard and got[0] == (4096 if hard == resource.RLIM_INFINITY else min(4096, hard))
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_open_file_limit_falls_back_where_the_system_caps_it(monkeypatch):
+    """macOS: an unlimited hard limit, but a soft one above kern.maxfilesperproc is refused."""
+    import resource
+    from gpt.runtime import raise_open_file_limit
+    calls = []
+
+    def capped(which, limits):
+        calls.append(limits[0])
+        if limits[0] > 10240:
+            raise ValueError("not allowed")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "setrlimit", capped)
+    raise_open_file_limit()
+    assert calls == [65536, 10240]

@@ -315,3 +315,9 @@ def test_hf_vocabulary_with_gaps_is_sized_by_its_highest_id(tmp_path):
         prepare([tmp_path / "in.txt"], f"hf:{d / 'tokenizer.json'}", tmp_path / f"out{top}", val_fraction=0.1)
         meta = load_meta(tmp_path / f"out{top}")
         assert meta["vocab_size"] == meta["tokenizer"]["vocab_size"] == top + 1 and meta["dtype"] == dtype
+    # data and checkpoints from before, whose spec counted the 5 entries, still load as they were
+    from gpt.tokenizer import hf_spec, load_hf_spec
+    spec = {**hf_spec(tmp_path / "tok600" / "tokenizer.json", "fix")[2], "vocab_size": 5}
+    assert load_hf_spec(spec, tmp_path / "tok600").vocab_size == 5
+    with pytest.raises(UserError, match="has 601 tokens, its spec says 7"):
+        load_hf_spec({**spec, "vocab_size": 7}, tmp_path / "tok600")
