@@ -234,6 +234,9 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
                     dataclasses.replace(settings, tokenizer=identity(tokenizer)))
     created = _make_out_dir(out_dir)
     with _one_at_a_time(out_dir):
+        if old is not None and _append_id(_store_to_append(out_dir, tokenizer)) != settings.append_to:
+            raise UserError(f"{str(out_dir)!r} was replaced by another preparation while this --append waited "
+                            f"for it; run the command again to add to the new store")
         done = _prepared(out_dir) if reuse else None
         return done or _prepare_locked(out_dir, created, key, sources, reading, settings, old, workers, backend)
 

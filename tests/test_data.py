@@ -737,3 +737,24 @@ def test_append_never_takes_another_commands_progress_and_resumes_its_own(tmp_pa
     ref = prepare([b], None, tmp_path / "ref", shard_tokens=500, workers=1, append=True)  # uninterrupted
     assert all_tokens(out) == all_tokens(tmp_path / "ref") and meta["shards"] == ref["shards"]
     assert meta["splits"]["train"]["documents"] == 54
+
+
+def test_an_append_that_waited_while_the_store_was_replaced_says_so(tmp_path, monkeypatch):
+    """--append read the store before taking the folder's lock: when another preparation replaced
+    it meanwhile, the append failed on a missing staging file with advice about permissions."""
+    import contextlib
+    a, b = write(tmp_path / "a.txt", SHAKESPEARE[:20_000]), write(tmp_path / "b.txt", SHAKESPEARE[20_000:40_000])
+    out = tmp_path / "out"
+    prepare([a], "char", out)
+    locked = data._one_at_a_time
+
+    @contextlib.contextmanager
+    def replaced_while_waiting(folder):
+        monkeypatch.setattr(data, "_one_at_a_time", locked)
+        prepare([a, b], "char", out)  # the other command, which held the lock
+        with locked(folder):
+            yield
+    monkeypatch.setattr(data, "_one_at_a_time", replaced_while_waiting)
+    with pytest.raises(UserError, match="was replaced by another preparation while this --append waited"):
+        prepare([write(tmp_path / "c.txt", SHAKESPEARE[40_000:50_000])], None, out, append=True)
+    assert load_meta(out)["splits"]["train"]["tokens"] > 0
