@@ -399,8 +399,8 @@ def _train_table(rows: dict) -> list[str]:
             continue
         chained = f" (chains of {x['chain']})" if x.get("chain", 1) > 1 else ""
         lines.append(f"| {name} | {' '.join(x['flags'])} | {x['step_ms']:.1f}{chained} | "
-                     f"{x['tokens_per_sec']:,.0f} | {x['model_tflops']:.1f} | "
-                     f"{_pct(x['mfu_measured'])} of {x['ceiling_tflops']:.0f} | "
+                     f"{x['tokens_per_sec']:,.0f} | {x['model_tflops']:.3g} | "
+                     f"{_pct(x['mfu_measured'])} of {x['ceiling_tflops']:.3g} TFLOP/s | "
                      f"{_pct(x['mfu_vendor'])} | {x['compile_sec']:.1f} |")
     return lines
 
@@ -622,8 +622,9 @@ def markdown(results: dict) -> str:
         out += ["## Decoding kernels (XLA against Pallas)", "", *_kernels_table(p["kernels"])]
     if "curve" in p:
         c = p["curve"]
+        rate = c["tokens_per_sec_median"]
         out += ["## Short training run (train.py)", "", f"exit {c['exit']}, {c['wall_sec']:.0f} s wall, "
-                f"median {c['tokens_per_sec_median'] or 0:,.0f} tokens/s", "",
+                + (f"median {rate:,.0f} tokens/s" if rate is not None else c.get("error", "no tokens/s")), "",
                 "| step | train loss | val loss |", "|---|---|---|",
                 *[f"| {s} | {tr} | {va} |" for s, tr, va in c["eval"]], ""]
     return "\n".join(out)
@@ -670,6 +671,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                  f"(choose from {', '.join(variants)})")
     if not args.xla_programs or set(args.xla_programs) - {"train", "decode"}:
         ap.error(f"--xla_programs={','.join(args.xla_programs)}: train, decode or both")
+    if not args.parts:
+        ap.error(f"--parts names none (choose from {', '.join(PARTS + EXTRA_PARTS)})")
+    if args.timeout < 1:
+        ap.error(f"--timeout={args.timeout}: seconds per process, at least 1")
+    if (there := next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists()), None)) is not None \
+            and not there.is_dir():
+        ap.error(f"--out={args.out}: {there} is a file; pass a folder")
     return args
 
 
@@ -682,20 +690,23 @@ def main(argv: list[str]) -> int:
                GPT_COMPILATION_CACHE="0")
     if args.size == "full":
         env["JAX_PLATFORMS"] = ""  # every platform (the tests' conftest pins unset ones to the CPU)
-    r = Runner(out, args.timeout, env)
-    r.results["device"], r.results["jax"] = device_info(env)
-    r.results["size"] = args.size
-    print(f"GPU suite on {r.results['device']} (jax {r.results['jax']}), parts {', '.join(args.parts)}")
-    sz = sizes(args.size)
-    for part in args.parts:
-        res = {"tests": lambda: part_tests(r, sz), "train": lambda: part_train(r, sz, args.train_variants),
-               "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz),
-               "speculative": lambda: part_speculative(r, sz),
-               "xla": lambda: part_xla(r, sz, args.xla_flags, args.xla_programs),
-               "profile": lambda: part_profile(r, sz),
-               "kernels": lambda: part_kernels(r, sz, args.kernel_tools)}[part]()
-        r.save(part, res)
-    print(markdown(r.results))
+    try:
+        r = Runner(out, args.timeout, env)
+        r.results["device"], r.results["jax"] = device_info(env)
+        r.results["size"] = args.size
+        print(f"GPU suite on {r.results['device']} (jax {r.results['jax']}), parts {', '.join(args.parts)}")
+        sz = sizes(args.size)
+        for part in args.parts:
+            res = {"tests": lambda: part_tests(r, sz), "train": lambda: part_train(r, sz, args.train_variants),
+                   "sample": lambda: part_sample(r, sz), "curve": lambda: part_curve(r, sz),
+                   "speculative": lambda: part_speculative(r, sz),
+                   "xla": lambda: part_xla(r, sz, args.xla_flags, args.xla_programs),
+                   "profile": lambda: part_profile(r, sz),
+                   "kernels": lambda: part_kernels(r, sz, args.kernel_tools)}[part]()
+            r.save(part, res)
+        print(markdown(r.results))
+    finally:  # the data the parts prepared (hundreds of these were left in /tmp)
+        shutil.rmtree(env["GPT_DATA_CACHE"], ignore_errors=True)
     return 0
 
 

@@ -58,9 +58,11 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -85,14 +87,14 @@ from bench.nocache import full_recompute_generate  # noqa: E402
 from gpt.sampling import SamplingSettings, decode, prefill  # noqa: E402
 from gpt import speculative as spec  # noqa: E402
 
-ARCH = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 CHAR_VOCAB = 65
 
 
 def preset_model(name: str) -> ModelConfig:
-    """Preset `name`'s architecture."""
+    """Preset `name`'s architecture, all of it (a Llama preset's RoPE, RMSNorm, SwiGLU and
+    grouped-query heads too: only GPT-2's fields were taken before)."""
     p = PRESETS[name]
-    kw = {k: p[k] for k in ARCH if k in p}
+    kw = {f.name: p[f.name] for f in dataclasses.fields(ModelConfig) if f.name in p}
     kw.setdefault("vocab_size", CHAR_VOCAB)  # the char presets take their vocabulary from the data
     return validate_model(ModelConfig(**kw))
 
@@ -135,7 +137,7 @@ def bench_config(name: str, args, kernels: bool = False) -> list[dict]:
     dtype = model.rt.dtype
     if args.weights == "compute":
         params = hold_in(params, dtype)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    weight_bytes = step_weight_bytes(cfg, params)
     s = SamplingSettings(max_new_tokens=args.new_tokens, temperature=1.0, top_k=200)
     P, N = args.prompt_len, args.new_tokens
     pf = jax.jit(lambda params, prompt, start, key: prefill(nnx.merge(gd, params), prompt, start,
@@ -188,10 +190,22 @@ def hold_in(params, dtype):
                         params)
 
 
+def step_weight_bytes(cfg: ModelConfig, params) -> int:
+    """The weights a decode step reads: all of them but the learned position table, of which it
+    reads one row."""
+    total = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        table = any(getattr(k, "key", getattr(k, "name", None)) == "wpe" for k in path)
+        total += x.nbytes // cfg.block_size if table else x.nbytes
+    return total
+
+
 def bandwidth_bound(cfg: ModelConfig, B: int, context: float, weight_bytes: int, itemsize: int,
                     copy_gbps: float, step_sec: float, read_gbps: float | None = None) -> dict:
-    """Bytes a decode step must read (weights + this context's keys/values) and the time that
-    takes at the measured copy (and read-only) bandwidth, against the measured step time."""
+    """Bytes a decode step must read (weights + this context's keys/values, at most block_size
+    of them: the cache's window) and the time that takes at the measured copy (and read-only)
+    bandwidth, against the measured step time."""
+    context = min(context, cfg.block_size)
     kv_bytes = 2 * cfg.n_layer * B * context * cfg.kv_heads * cfg.head_dim * itemsize
     bound_sec = (weight_bytes + kv_bytes) / (copy_gbps * 1e9)
     row = {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "copy_gbps": copy_gbps,
@@ -211,6 +225,9 @@ def time_transformers(cfg: ModelConfig, B: int, P: int, N: int, reps: int) -> fl
     except ImportError:
         print("error: --transformers needs torch and transformers (pip install -r requirements-test.txt)",
               file=sys.stderr)
+        sys.exit(2)
+    if (cfg.norm, cfg.mlp, cfg.pos_embedding) != ("layernorm", "gelu", "learned"):
+        print("error: --transformers compares GPT-2's block only; drop it for this preset", file=sys.stderr)
         sys.exit(2)
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(0)
@@ -430,7 +447,7 @@ def bench_speculative(args) -> dict:
     stats = spec.SpeculativeSampler.stats(st)
     alpha = stats["acceptance_rate"]
     per_round = N / stats["target_forwards"]  # tokens per round (one target forward each)
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(pt))
+    weight_bytes = step_weight_bytes(target.cfg, pt)
     row = {"target": str(target_dir), "draft": str(draft_dir), "target_params_m": num_params(target.cfg) / 1e6,
            "draft_params_m": num_params(draft.cfg) / 1e6, "batch": B, "prompt_len": P, "new_tokens": N,
            "num_draft_tokens": K, "plain_tokens_per_sec": B / t_target,
@@ -490,8 +507,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--spec_batch", type=int, default=1)
     args = ap.parse_args(argv)
     args.dtype = decoding_dtype(args.dtype)
-    args.batches = [int(b) for b in args.batches.split(",") if b]
-    args.baseline_batches = [int(b) for b in args.baseline_batches.split(",") if b]
+    for name in ("batches", "baseline_batches"):
+        raw = getattr(args, name)
+        if not re.fullmatch(r"[0-9,]*", raw) or any(b == "0" for b in raw.split(",")):
+            ap.error(f"--{name}={raw}: a comma list of batch sizes, each at least 1")
+        setattr(args, name, [int(b) for b in raw.split(",") if b])
+    for name in ("prompt_len", "new_tokens", "reps", "baseline_reps", "spec_tokens", "spec_batch", "num_draft_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}={getattr(args, name)} must be at least 1")
     args.configs = [c for c in args.configs.split(",") if c]
     for c in args.configs:
         if c not in PRESETS:

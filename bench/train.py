@@ -87,7 +87,7 @@ def split_bench_args(argv: list[str]) -> tuple[dict, list[str]]:
         else:
             rest.append(a)
         i += 1
-    for key, least in (("steps", 1), ("chain", 1), ("warmup", 0)):
+    for key, least in (("steps", 1), ("chain", 1), ("warmup", 0), ("ceiling_n", 0), ("ceiling_reps", 1)):
         if opts[key] < least:
             raise UserError(f"--{key}={opts[key]} must be at least {least}")
     return opts, rest

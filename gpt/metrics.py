@@ -21,9 +21,9 @@ import numpy as np
 from gpt.tokenizer import atomic_write_bytes
 
 # Dense bf16 peak TFLOP/s by device kind (substring match on jax's device_kind).
-VENDOR_PEAK_BF16 = {  # dense; the first name found in the device kind wins (the PCIe card before "H100")
-    "H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0, "L4": 121.0,
-    "A10G": 125.0, "RTX 4090": 165.2,
+VENDOR_PEAK_BF16 = {  # dense; the first name found in the device kind wins: a variant before its family
+    "H200 NVL": 835.0, "H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
+    "L40S": 362.0, "L40": 181.0, "L4": 121.0, "A10G": 125.0, "RTX 4090": 165.2,
     "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6": 918.0,
 }
 

@@ -448,6 +448,20 @@ def test_gpu_suite_train_variants_are_checked(tmp_path, capsys):
                             ).train_variants == ["b64-res-xent", "b64-res"]
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--parts="], "--parts names none"), (["--timeout=0"], "--timeout=0: seconds per process"),
+    (["--out={file}"], "is a file; pass a folder"), (["--out={file}/sub"], "is a file; pass a folder")])
+def test_gpu_suite_refuses_settings_that_run_nothing(tmp_path, capsys, argv, words):
+    """No part, no time, or an --out under a file: argparse's one line (it ran nothing and exited
+    0, timed every part out, or ended in a FileExistsError traceback)."""
+    from bench import gpu as suite
+    (tmp_path / "f").write_text("a file")
+    argv = [a.replace("{file}", str(tmp_path / "f")) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        suite.parse_args([f"--out={tmp_path / 'o'}", *argv] if not argv[0].startswith("--out") else argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
 def test_xent_bench_checks_every_variant_against_xla(monkeypatch, capsys):
     """bench/xent.py off a GPU: every variant's logsumexp, target logit and gradient checked
     against XLA's (the kernels in the interpreter), no timings; one whose target logit is off
@@ -971,3 +985,40 @@ def test_kernel_count_refuses_a_gpu_target_without_a_compiler_for_it():
                            timeout=120)
         assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
         assert "Traceback" not in r.stderr
+
+
+def test_sample_bench_models_and_bound_are_the_presets():
+    """bench/sample.py built a GPT-2-shaped model from any preset (a Llama preset's RoPE, RMSNorm,
+    SwiGLU and grouped-query heads dropped), counted keys/values past the cache's window, and the
+    whole position table where a step reads one row of it."""
+    import jax
+    from flax import nnx
+    from bench import sample as bs
+    smol = bs.preset_model("smollm-135m")
+    assert (smol.kv_heads, smol.ffn, smol.mlp, smol.pos_embedding) == (3, 1536, "swiglu", "rope")
+    tiny = bs.preset_model("tiny")
+    row = bs.bandwidth_bound(tiny, 1, 116, 0, 4, 1.0, 1.0)
+    assert row["kv_bytes"] == 2 * tiny.n_layer * tiny.block_size * tiny.kv_heads * tiny.head_dim * 4
+    cfg, model = bs.build_model("tiny", "float32")
+    params = nnx.split(model)[1]
+    whole = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert bs.step_weight_bytes(cfg, params) == whole - (cfg.block_size - 1) * cfg.n_embd * 4
+
+
+@pytest.mark.parametrize("argv", [["--batches=abc"], ["--batches=1,0"], ["--new_tokens=0"], ["--reps=0"],
+                                  ["--prompt_len=0"]])
+def test_sample_bench_refuses_sizes_it_cannot_time(argv, capsys):
+    """They ended in a ValueError, ZeroDivisionError or StatisticsError traceback."""
+    from bench import sample as bs
+    with pytest.raises(SystemExit) as e:
+        bs.parse_args(["--configs=tiny", *argv])
+    assert e.value.code == 2 and "at least 1" in capsys.readouterr().err
+
+
+def test_train_bench_refuses_an_empty_ceiling():
+    from bench.train import split_bench_args
+    from gpt.errors import UserError
+    for argv, words in ((["--ceiling_n=-5"], "--ceiling_n=-5 must be at least 0"),
+                        (["--ceiling_reps=0"], "--ceiling_reps=0 must be at least 1")):
+        with pytest.raises(UserError, match=words):
+            split_bench_args(argv)

@@ -128,9 +128,12 @@ def test_measured_ceilings_and_names_are_sane():
 
 
 @pytest.mark.parametrize("kind, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
-                                        ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA B9", None)])
+                                        ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0),
+                                        ("NVIDIA L40S", 362.0), ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0),
+                                        ("NVIDIA B9", None)])
 def test_vendor_peak_by_device_kind(monkeypatch, kind, peak):
-    """The PCIe H100 peaks at 756 TFLOP/s, not the SXM card's 989: its MFU was understated."""
+    """A variant before its family: the PCIe H100 peaks at 756 TFLOP/s, not the SXM card's 989, and
+    an L40S is not an L4 (its MFU was understated, theirs inflated)."""
     from types import SimpleNamespace
     import gpt.metrics as metrics
     monkeypatch.setattr(metrics.jax, "devices", lambda: [SimpleNamespace(platform="gpu", device_kind=kind)])
