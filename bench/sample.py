@@ -509,7 +509,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.dtype = decoding_dtype(args.dtype)
     for name in ("batches", "baseline_batches"):
         raw = getattr(args, name)
-        if not re.fullmatch(r"[0-9,]*", raw) or any(b == "0" for b in raw.split(",")):
+        if not re.fullmatch(r"[0-9,]*", raw) or any(b and int(b) < 1 for b in raw.split(",")):
             ap.error(f"--{name}={raw}: a comma list of batch sizes, each at least 1")
         setattr(args, name, [int(b) for b in raw.split(",") if b])
     for name in ("prompt_len", "new_tokens", "reps", "baseline_reps", "spec_tokens", "spec_batch", "num_draft_tokens"):

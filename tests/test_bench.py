@@ -1005,7 +1005,7 @@ def test_sample_bench_models_and_bound_are_the_presets():
     assert bs.step_weight_bytes(cfg, params) == whole - (cfg.block_size - 1) * cfg.n_embd * 4
 
 
-@pytest.mark.parametrize("argv", [["--batches=abc"], ["--batches=1,0"], ["--new_tokens=0"], ["--reps=0"],
+@pytest.mark.parametrize("argv", [["--batches=abc"], ["--batches=1,0"], ["--batches=00"], ["--new_tokens=0"], ["--reps=0"],
                                   ["--prompt_len=0"]])
 def test_sample_bench_refuses_sizes_it_cannot_time(argv, capsys):
     """They ended in a ValueError, ZeroDivisionError or StatisticsError traceback."""
