@@ -44,7 +44,7 @@ from flax import nnx  # noqa: E402
 from gpt import metrics as metrics_lib  # noqa: E402
 from gpt.config import (TRAIN_CLASSES, ComputeConfig, ModelConfig, TrainConfig, build_train,  # noqa: E402
                         help_text, parse_value, validate_compute)
-from gpt.errors import UserError  # noqa: E402
+from gpt.errors import ReaderGone, UserError, reader_may_leave  # noqa: E402
 from gpt.model import GPT, abstract_model, flops_per_token, num_params  # noqa: E402
 from gpt.runtime import (PALLAS_MODES, compiler_options, cpu_native_bf16, dtype_note,  # noqa: E402
                          loss_chunks_for, resolve, run_cpu_programs_inline)
@@ -230,10 +230,14 @@ def _settings_only(argv: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:  # this tool's options, then train.py's settings
-        print(__doc__.strip() + "\n\nThis tool's defaults: "
-              + " ".join(f"--{k}={v}" for k, v in BENCH_DEFAULTS.items())
-              + "\n\ntrain.py's settings, which this tool takes too:\n"
-              + help_text(TRAIN_CLASSES, _settings_only(argv), default_preset="default"))
+        try:
+            with reader_may_leave():  # `--help | head`
+                print(__doc__.strip() + "\n\nThis tool's defaults: "
+                      + " ".join(f"--{k}={v}" for k, v in BENCH_DEFAULTS.items())
+                      + "\n\ntrain.py's settings, which this tool takes too:\n"
+                      + help_text(TRAIN_CLASSES, _settings_only(argv), default_preset="default"))
+        except ReaderGone:
+            pass
         return 0
     try:
         opts, rest = split_bench_args(argv)

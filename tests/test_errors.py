@@ -132,7 +132,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(capsys):
         run_main(elsewhere, [])
 
 
-@pytest.mark.parametrize("cmd", [["train.py"], ["sample.py"], ["-m", "gpt.data"]])
+@pytest.mark.parametrize("cmd", [["train.py"], ["sample.py"], ["-m", "gpt.data"], ["bench/train.py"]])
 def test_help_into_a_closed_pipe_is_quiet(cmd):
     """`train.py --help | true`: the reader is gone before the help is written (it printed a
     BrokenPipeError traceback and exit status 1)."""
