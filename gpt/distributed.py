@@ -132,9 +132,8 @@ def _job(coordinator_address: str, num_processes: int, process_id: int) -> dict[
         return {}
     check_address(coordinator_address)
     if num_processes < 1 or process_id < 0:
-        got = ", ".join(f"--{k}={v}" for k, v, unset, bad in (
-            ("num_processes", num_processes, 0, num_processes < 1), ("process_id", process_id, -1, process_id < 0))
-            if bad and v != unset)
+        got = ", ".join(f"--{k}={v}" for k, v, unset in (("num_processes", num_processes, 0),
+                                                       ("process_id", process_id, -1)) if v < unset)
         raise UserError("--coordinator_address needs --num_processes=N (at least 1) and --process_id=I "
                         "(from 0)" + (f"; got {got}" if got else ""))
     if not 0 <= process_id < num_processes:

@@ -657,33 +657,35 @@ def recorded_ids(run_dir: Path, sha256: str, vocab_size: int) -> dict | None:
     if not isinstance(spec, dict) or spec.get("kind") != "hf" or spec.get("sha256") != sha256:
         return None
     ids = {k: spec[k] for k in ("bos_id", "eot_id", "stop_ids") if k in spec}
-    single = [ids.get(k) for k in ("bos_id", "eot_id") if ids.get(k) is not None]
-    stops = ids.get("stop_ids", [])
-    valid = isinstance(stops, list) and len(stops) <= MAX_STOP_IDS and _token_ids(single + stops) == single + stops
-    if not valid or not all(0 <= i < vocab_size for i in single + stops):
+    if bad_ids(ids, vocab_size):
         raise UserError(f"the BOS/EOS ids recorded for {run_dir / HF_FILE} in its checkpoint step {step} are not "
                         f"ids of its {vocab_size}-token vocabulary (the metadata was edited); pass the "
                         f"tokenizer.json of the model's Hugging Face folder instead")
     return ids
 
 
+def bad_ids(spec: dict, n: int) -> tuple[str, str] | None:
+    """(what, what is wrong with it) for a spec's BOS/EOS ids that are not ids of an n-token
+    vocabulary (at most MAX_STOP_IDS extra EOS ids, beside an eot_id); None if they all are."""
+    for key in ("bos_id", "eot_id"):
+        v = spec.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n):
+            return f"{key}={v!r}", f"is not an id of its {n}-token vocabulary"
+    stops = spec.get("stop_ids", [])
+    valid = isinstance(stops, list) and _token_ids(stops) == stops and len(stops) <= MAX_STOP_IDS
+    if not valid or not all(0 <= v < n for v in stops) or (stops and spec.get("eot_id") is None):
+        shown = repr(stops) if len(repr(stops)) <= 80 else repr(stops)[:77] + "..."
+        return (f"EOS ids {shown}",
+                f"are not a list of at most {MAX_STOP_IDS} ids of its {n}-token vocabulary beside an eot_id")
+    return None
+
+
 def hf_tokenizer(data: bytes, hf, spec: dict, where: Path) -> HFTokenizer:
     """The HFTokenizer for a spec whose ids are checked to be inside the vocabulary."""
     from tokenizers import Tokenizer as HFTok
 
-    for key in ("bos_id", "eot_id"):
-        v = spec.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < spec["vocab_size"]):
-            raise UserError(f"{key}={v!r} recorded for tokenizer {where} is not an id of its "
-                            f"{spec['vocab_size']}-token vocabulary; fix the config files beside it")
-    stops = spec.get("stop_ids", [])
-    valid = isinstance(stops, list) and _token_ids(stops) == stops and len(stops) <= MAX_STOP_IDS
-    valid = valid and all(0 <= v < spec["vocab_size"] for v in stops)
-    if not valid or (stops and spec.get("eot_id") is None):
-        shown = repr(stops) if len(repr(stops)) <= 80 else repr(stops)[:77] + "..."
-        raise UserError(f"EOS ids {shown} recorded for tokenizer {where} are not a list of at most "
-                        f"{MAX_STOP_IDS} ids of its {spec['vocab_size']}-token vocabulary beside an eot_id; "
-                        f"fix the config files beside it")
+    if bad := bad_ids(spec, spec["vocab_size"]):
+        raise UserError(f"{bad[0]} recorded for tokenizer {where} {bad[1]}; fix the config files beside it")
     hf.encode_special_tokens = True  # corpus text that looks like a special token stays text
     return HFTokenizer(hf, HFTok.from_str(data.decode("utf-8")), spec, files=[spec["file"]])
 
