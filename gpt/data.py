@@ -415,6 +415,8 @@ def _locked(out_dir: Path, fcntl) -> int | None:
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(out_dir, os.O_RDONLY)
+        except FileNotFoundError:
+            continue  # removed between making and opening it: make it again
         except OSError as e:
             raise _unwritable(out_dir, e) from None
         try:

@@ -189,7 +189,21 @@ def _in_thread(fn):
     return t, out
 
 
-def test_a_run_that_waited_finds_the_cache_prepared_and_a_removed_folder_is_locked_afresh(tmp_path):
+def _waiting_on_lock(monkeypatch):
+    """An event set when a thread is about to wait for a held preparation lock: the tests act
+    while the run is waiting, not before it got that far."""
+    import fcntl
+    import threading
+    waiting, real = threading.Event(), fcntl.flock
+
+    def flock(fd, op):
+        waiting.set()
+        return real(fd, op)
+    monkeypatch.setattr(fcntl, "flock", flock)
+    return waiting
+
+
+def test_a_run_that_waited_finds_the_cache_prepared_and_a_removed_folder_is_locked_afresh(tmp_path, monkeypatch):
     """`reuse` (ensure_prepared's cache): a run that waited for another's preparation returns its
     store instead of preparing (and replacing) it again. A folder removed while a run waited (a
     failed first preparation removes the out_dir it made) is made and locked again."""
@@ -197,18 +211,38 @@ def test_a_run_that_waited_finds_the_cache_prepared_and_a_removed_folder_is_lock
     out = tmp_path / "out"
     first = prepare([src], "char", out)
     release = _hold_lock(out)
+    waiting = _waiting_on_lock(monkeypatch)
     t, done = _in_thread(lambda: prepare([src], "char", out, reuse=True))
+    assert waiting.wait(60)
     release.set()
     t.join(60)
     assert done == [first]  # the same store: not prepared again
     gone = tmp_path / "gone"
     gone.mkdir()
+    monkeypatch.undo()
     release = _hold_lock(gone)
+    waiting = _waiting_on_lock(monkeypatch)
     t, done = _in_thread(lambda: prepare([src], "char", gone))
+    assert waiting.wait(60)
     shutil.rmtree(gone)  # while the lock is held and the second run waits on it
     release.set()
     t.join(60)
     assert done and load_meta(gone) == done[0]
+
+
+def test_a_folder_removed_between_making_and_opening_it_is_made_again(tmp_path, monkeypatch):
+    """_locked makes out_dir, then opens it to lock: a folder removed in between (another run's
+    failed preparation cleaning up) is made again, not reported as unwritable."""
+    out, real, calls = tmp_path / "out", os.open, []
+
+    def open_(path, *a, **k):
+        if Path(path) == out and not calls:
+            calls.append(path)
+            out.rmdir()
+        return real(path, *a, **k)
+    monkeypatch.setattr(os, "open", open_)
+    with data._one_at_a_time(out):
+        assert out.is_dir() and calls
 
 
 def test_a_filesystem_without_locks_prepares_with_a_note(tmp_path, monkeypatch, capsys):
