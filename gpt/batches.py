@@ -23,7 +23,10 @@ class Batches:
 
     Batch i uses ``np.random.default_rng([seed, i])`` to draw the offsets of the whole *global*
     batch, and this process keeps rows [process_index*B/P, (process_index+1)*B/P): every process
-    agrees on the global batch without communicating, and the state is just {seed, index}. A
+    agrees on the global batch without communicating, and the state is just {seed, index}. With
+    `groups` G (gradient accumulation's micro-batches), the batch is G groups of B/G rows and the
+    process keeps its block of each group, so that micro-batch g holds the same rows whatever the
+    number of processes (a MoE load-balancing loss and dropout masks depend on the grouping). A
     window lies in one shard; the offsets are uniform over all windows of all shards (for one
     shard, as before shards existed: old data dirs give the same batches).
 
@@ -38,7 +41,7 @@ class Batches:
 
     def __init__(self, data_dir: str | os.PathLike, split: str, block_size: int, batch_size: int, *,
                  seed: int, process_index: int = 0, process_count: int = 1, align_documents: bool = False,
-                 meta: dict | None = None):
+                 meta: dict | None = None, groups: int = 1):
         if split not in SPLITS:
             raise UserError(f"split {split!r} is not valid; use train or val")
         self.block_size = check_int("block_size", block_size, 1)
@@ -48,9 +51,11 @@ class Batches:
         self.process_index = check_int("process_index", process_index, 0)
         if self.process_index >= self.process_count:
             raise UserError(f"process_index={process_index} must be < process_count={process_count}")
-        if self.batch_size % self.process_count:
-            raise UserError(f"batch_size={batch_size} (global) is not divisible by the {process_count} "
-                            f"processes; use a multiple of {process_count}")
+        self.groups = check_int("groups", groups, 1)
+        if self.batch_size % (self.groups * self.process_count):
+            split = "" if self.groups == 1 else f"in {self.groups} groups of rows each "
+            raise UserError(f"batch_size={batch_size} (global) is not divisible {split}by the {process_count} "
+                            f"processes; use a multiple of {self.groups * process_count}")
         self.data_dir = Path(data_dir)
         self.split = split
         self.meta = load_meta(self.data_dir) if meta is None else meta  # a run reads it once
@@ -62,6 +67,7 @@ class Batches:
         self.window_ends = np.cumsum(windows)  # windows of shards 0..k
         self.docs = _document_table(self.tokens, self.data_dir) if align_documents else None
         self.local_batch_size = self.batch_size // self.process_count
+        self.rows = self._my_rows()
         self.index = 0
         self.cropped = self.drawn = 0
 
@@ -70,6 +76,13 @@ class Batches:
         rng = np.random.default_rng([self.seed, index])
         return rng.integers(0, int(self.window_ends[-1]), size=self.batch_size)
 
+    def _my_rows(self) -> np.ndarray:
+        """This process's rows of a global batch: its block of each of the `groups` groups."""
+        group = self.batch_size // self.groups
+        mine = group // self.process_count
+        lo = self.process_index * mine
+        return (np.arange(self.groups)[:, None] * group + np.arange(lo, lo + mine)[None, :]).reshape(-1)
+
     def _window(self, o: int) -> np.ndarray:
         k = int(np.searchsorted(self.window_ends, o, side="right"))
         local = o - (int(self.window_ends[k - 1]) if k else 0)
@@ -77,12 +90,11 @@ class Batches:
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
         """This process's rows of the next batch: int32 x, y of shape [B_local, block_size]."""
-        lo = self.process_index * self.local_batch_size
         if self.docs is None:
-            offs = self.offsets(self.index)[lo:lo + self.local_batch_size]
+            offs = self.offsets(self.index)[self.rows]
             windows = np.stack([self._window(int(o)) for o in offs]).astype(np.int32)
         else:
-            windows = np.stack([self._packed_row(self.index, r) for r in range(lo, lo + self.local_batch_size)])
+            windows = np.stack([self._packed_row(self.index, int(r)) for r in self.rows])
         self.index += 1
         return windows[:, :-1], windows[:, 1:]
 
@@ -121,10 +133,9 @@ class Batches:
             return 0.0
         saved = self.cropped, self.drawn
         self.cropped = self.drawn = 0
-        lo = self.process_index * self.local_batch_size
         for i in range(self.index, self.index + n_batches):
-            for r in range(lo, lo + self.local_batch_size):
-                self._packed_row(i, r)
+            for r in self.rows:
+                self._packed_row(i, int(r))
         share = self.cropped / max(self.cropped + self.drawn, 1)
         self.cropped, self.drawn = saved
         return share

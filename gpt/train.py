@@ -640,7 +640,8 @@ def build_run(s: Setup, mesh, out: Path, log: Callable[[str], None]) -> tuple[Ru
     batches = batches_lib.Batches(s.data_dir, "train", m.block_size,
                                   t.batch_size * t.gradient_accumulation_steps, seed=t.seed,
                                   process_index=layout[0], process_count=layout[1],
-                                  align_documents=t.align_documents, meta=s.meta)
+                                  align_documents=t.align_documents, meta=s.meta,
+                                  groups=t.gradient_accumulation_steps)
     batches.restore({"seed": t.seed, "index": state.step})
     if t.align_documents:
         log_packing_waste(batches)

@@ -71,6 +71,26 @@ def test_process_slices_partition_the_global_batch(char_dir):
         Batches(char_dir, "test", 16, 8, seed=1)
 
 
+@pytest.mark.parametrize("aligned", [False, True])
+def test_micro_batches_hold_the_same_rows_on_any_number_of_processes(sharded, aligned):
+    """With gradient accumulation's A groups, each process keeps its block of every micro-batch:
+    the processes' micro-batch g, side by side, is the single process's micro-batch g (a MoE
+    load-balancing loss is taken per micro-batch; contiguous process blocks regrouped the rows)."""
+    A, B = 3, 8
+    one = Batches(sharded, "train", 16, A * B, seed=2, groups=A, align_documents=aligned)
+    want = one.next()[0].reshape(A, B, 16)
+    parts = [Batches(sharded, "train", 16, A * B, seed=2, groups=A, process_index=i, process_count=4,
+                     align_documents=aligned) for i in range(4)]
+    got = [p.next()[0].reshape(A, B // 4, 16) for p in parts]
+    assert (np.concatenate(got, axis=1) == want).all()
+    assert (Batches(sharded, "train", 16, A * B, seed=2, align_documents=aligned).next()[0]
+            == want.reshape(A * B, 16)).all()  # one process: groups change nothing
+    if aligned:
+        assert sum(p.waste() for p in parts) > 0
+    with pytest.raises(UserError, match="in 3 groups of rows each by the 4 processes; use a multiple of 12"):
+        Batches(sharded, "train", 16, 3 * 4 * 2 + 3, seed=2, groups=3, process_count=4)
+
+
 def test_iter(char_dir):
     it = iter(Batches(char_dir, "val", 8, 2, seed=0))
     x, y = next(it)

@@ -77,17 +77,19 @@ def our_lines(output: str) -> list[str]:
 
 @pytest.mark.slow
 def test_two_processes_train_like_one_process_with_eight_devices(char_data, tmp_path):
+    """A MoE model with dropout and two accumulated micro-batches: each micro-batch must hold the
+    same rows on two processes as on one (the load-balancing loss is a per-micro-batch product)."""
     port = free_port()
     multi, single = tmp_path / "multi", tmp_path / "single"
-    data = f"--data_dir={char_data}"
+    data = [f"--data_dir={char_data}", "--n_expert=4", "--gradient_accumulation_steps=2", "--dropout=0.1"]
     # --overwrite: the out_dir set-up (process 0) is followed by a barrier every process must reach.
-    procs = [start([*COMMON, data, f"--out_dir={multi}", "--overwrite", "--distributed", "--mesh=data:8",
+    procs = [start([*COMMON, *data, f"--out_dir={multi}", "--overwrite", "--distributed", "--mesh=data:8",
                     f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                     f"--process_id={i}"], devices=4, GPT_DISTRIBUTED_TIMEOUT="120")
              for i in (0, 1)]
     (rc0, out0), (rc1, out1) = finish(procs, timeout=400)
     assert rc0 == 0 and rc1 == 0, f"process 0:\n{out0[-3000:]}\nprocess 1:\n{out1[-3000:]}"
-    (rc, out), = finish([start([*COMMON, data, f"--out_dir={single}", "--mesh=data:8"], devices=8)],
+    (rc, out), = finish([start([*COMMON, *data, f"--out_dir={single}", "--mesh=data:8"], devices=8)],
                         timeout=300)
     assert rc == 0, out[-3000:]
 
