@@ -36,7 +36,9 @@ def cross_entropy_reference(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, one_pass: bool = False) -> jax.Array:
     """Mean cross-entropy of `logits_BTV` [..., V] (any float dtype; entries that are -inf, such as
     a padded vocabulary's, get probability 0; a row that is all -inf gives NaN, as the reference
-    does) against integer `targets_BT` [...]. `one_pass`: the logsumexp as one reduction (a static
+    does) against integer `targets_BT` [...] in [0, V): there is no ignore id (the data has no
+    padding), and one out of range gets a loss and a gradient that disagree (take_along_axis wraps
+    it, the one-hot misses it). `one_pass`: the logsumexp as one reduction (a static
     choice, `Runtime.lse_one_pass`). Reverse-mode only (a custom VJP)."""
     return _fwd(logits_BTV, targets_BT, one_pass)[0]
 
@@ -110,8 +112,9 @@ class LinearCE(NamedTuple):
 
 
 def linear_cross_entropy(h_BTD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array, s: LinearCE) -> jax.Array:
-    """Mean cross-entropy of the logits h @ w^T against `targets_BT`, the head's product formed
-    `s.chunks` slices of T at a time inside the loss, so that in more than one the [B, T, V] logits
+    """Mean cross-entropy of the logits h @ w^T against `targets_BT` (in [0, V), as for
+    `cross_entropy`), the head's product formed `s.chunks` slices of T at a time inside the loss,
+    so that in more than one the [B, T, V] logits
     and their gradient are never whole in memory (as Liger's fused linear cross-entropy and MaxText's
     vocabulary tiling do); `s.kernel` takes each chunk's pass over its logits as
     gpt/ops/xent_kernel.py's kernel. With a gradient, each chunk's softmax - one-hot is applied to
