@@ -22,14 +22,30 @@ def read_prompt(cfg, tokenizer) -> list[int]:
         if len(text) > MAX_PROMPT_CHARS or "\x00" in text:
             raise UserError(f"--prompt_file={cfg.prompt_file} is not a text prompt (over {MAX_PROMPT_CHARS:,} "
                             f"characters, or NUL bytes); pass a text file")
-    ids = tokenizer.encode_prompt(text)
+    flag = "--prompt_file" if cfg.prompt_file else "--prompt"
+    try:
+        text.encode("utf-8")
+        ids = tokenizer.encode_prompt(text)
+    except UnicodeEncodeError:  # bytes that are not UTF-8 reach argv as lone surrogates
+        raise UserError(f"{flag} is not valid UTF-8 text; pass the prompt as UTF-8") from None
+    except UserError as e:  # a character the char tokenizer lacks
+        raise UserError(f"{flag}: {e}") from None
+    return ids or start_ids(tokenizer)
+
+
+def start_ids(tokenizer) -> list[int]:
+    """What an empty prompt starts from: the end-of-text token, else a newline (as nanoGPT)."""
+    if tokenizer.eot_id is not None:
+        print("note: empty prompt; starting from the end-of-text token", file=sys.stderr)
+        return [tokenizer.eot_id]
+    try:
+        ids = tokenizer.encode("\n")
+    except UserError:  # a char alphabet without a newline
+        ids = []
     if not ids:
-        if tokenizer.eot_id is not None:
-            ids = [tokenizer.eot_id]
-            print("note: empty prompt; starting from the end-of-text token", file=sys.stderr)
-        else:
-            ids = tokenizer.encode("\n")
-            print("note: empty prompt; starting from a newline", file=sys.stderr)
+        raise UserError("the prompt is empty and this model's vocabulary has no newline to start from; "
+                        "pass --prompt with some of its text")
+    print("note: empty prompt; starting from a newline", file=sys.stderr)
     return ids
 
 

@@ -323,7 +323,7 @@ def read_meta(out_dir: str | Path, step: int | None = None) -> tuple[int, dict[s
         path = checkpoint_dir(out_dir) / str(s) / "meta" / "metadata"
         try:
             meta = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue  # damaged: restore() reports it by step when it falls back past it
         if isinstance(meta, dict):
             check_meta(meta, out_dir, s)  # readable but not ours to read: incompatible, not damaged

@@ -361,8 +361,8 @@ def read_config_file(path: str) -> dict[str, Any]:
             data = json.loads(p.read_text(encoding="utf-8"))
         else:
             raise UserError(f"config file {path} must end in .toml or .json")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"config file {path} is not valid: {e}") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise UserError(f"config file {path} is not valid: {str(e) or type(e).__name__}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold a table of settings")
     flat: dict[str, Any] = {}
@@ -386,8 +386,12 @@ def build(classes: Sequence[type], argv: Sequence[str], default_preset: str | No
     for cls in classes:
         types.update(_field_types(cls))
         seps.update({f.name: f.metadata["sep"] for f in fields(cls) if "sep" in f.metadata})
-    valid = sorted(types) + ["preset", "config"]
+    presettable = any(types.keys() & p.keys() for p in PRESETS.values())  # not sample.py's settings
+    valid = sorted(types) + ["preset"] * presettable + ["config"]
     pairs = split_argv(argv, {k for k, t in types.items() if t is bool})
+    if not presettable and any(k == "preset" for k, _ in pairs):  # it would do nothing
+        raise UserError("--preset sets none of this command's settings (a model's come from its "
+                        "checkpoint); leave it out, or run with --help to list the settings")
 
     values: dict[str, Any] = {}
     preset = next((v for k, v in pairs if k == "preset"), default_preset)
@@ -591,6 +595,19 @@ def check_lora_flags(t: TrainConfig, explicit: set[str]) -> None:
 TEMPERATURES = (1e-4, 1e4)  # --temperature's range besides 0
 
 
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """The filters' settings, from the command line or `gpt.sampling.SamplingSettings`."""
+    if temperature != 0 and not TEMPERATURES[0] <= temperature <= TEMPERATURES[1]:
+        # beyond these, logits / T over- or underflows float32 and the padded -inf entries become
+        # NaN: the samples are padding, not text
+        raise UserError(f"--temperature={temperature} must be 0 (greedy) or between {TEMPERATURES[0]:g} "
+                        f"and {TEMPERATURES[1]:g} (0.7-1.0 is typical)")
+    if top_k < 0:
+        raise UserError(f"--top_k={top_k} must be zero (off) or positive")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"--top_p={top_p} must be in (0, 1]")
+
+
 def validate_sample(s: SampleConfig) -> SampleConfig:
     if s.num_samples < 1:
         raise UserError(f"--num_samples={s.num_samples} must be at least 1")
@@ -601,18 +618,10 @@ def validate_sample(s: SampleConfig) -> SampleConfig:
                         f"call can hold or finish (at most {MAX_NEW_TOKENS:,} tokens and {MAX_SAMPLES:,} samples); "
                         f"ask for less, or call it several times")
     _check_seed(s.seed)
-    if s.temperature != 0 and not TEMPERATURES[0] <= s.temperature <= TEMPERATURES[1]:
-        # beyond these, logits / T over- or underflows float32 and the padded -inf entries become
-        # NaN: the samples are padding, not text
-        raise UserError(f"--temperature={s.temperature} must be 0 (greedy) or between {TEMPERATURES[0]:g} "
-                        f"and {TEMPERATURES[1]:g} (0.7-1.0 is typical)")
+    check_sampling(s.temperature, s.top_k, s.top_p)
     if any(not stop for stop in s.stop):
         raise UserError("--stop is an empty string, which would cut every sample at its start; pass the "
                         "text to stop at, or leave --stop out")
-    if s.top_k < 0:
-        raise UserError(f"--top_k={s.top_k} must be zero (off) or positive")
-    if not 0.0 < s.top_p <= 1.0:
-        raise UserError(f"--top_p={s.top_p} must be in (0, 1]")
     if s.dtype not in _CHOICES["dtype"]:
         raise UserError(f"--dtype={s.dtype} is not valid (choose from {', '.join(_CHOICES['dtype'])})")
     if not 1 <= s.num_draft_tokens <= MAX_DRAFT_TOKENS:
@@ -662,7 +671,7 @@ def json_fields(cls: type, d: Any) -> dict[str, Any]:
             continue
         v = d[name]
         ok = {int: isinstance(v, int) and not isinstance(v, bool), bool: isinstance(v, bool), str: isinstance(v, str),
-              float: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(typ, True)
+              float: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}.get(typ, True)
         if typing.get_origin(typ) is list:
             ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
         if not ok:

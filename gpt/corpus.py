@@ -531,6 +531,9 @@ def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher, straddle
                                         f"line); convert it, e.g. jq -c '.[]' FILE > FILE.jsonl") from None
                     yield pos, f"line {lineno}", None, f"is not valid JSON ({e.msg} at column {e.colno})"
                     continue
+                except RecursionError:
+                    yield pos, f"line {lineno}", None, "is JSON nested too deeply to read"
+                    continue
                 text, problem = _field(obj, reading.text_field)
                 yield pos, f"line {lineno}", text, problem
 

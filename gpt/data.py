@@ -466,7 +466,7 @@ def _read_progress(stage: Path, key: str) -> dict | None:
                 for sh in p["shards"][split]:
                     store.check_shard(stage, sh, size)
         return p if ok else None
-    except (OSError, ValueError, KeyError, TypeError, UserError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, UserError):
         return None
 
 
@@ -619,8 +619,8 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
         raise UserError(f"{str(d)!r} is not a prepared data dir (no meta.json); {how}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{str(path)!r} is unreadable ({e}); {how}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise UserError(f"{str(path)!r} is unreadable ({str(e) or type(e).__name__}); {how}") from None
     version = meta.get("format_version") if isinstance(meta, dict) else None
     if version not in store.READS:
         newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION

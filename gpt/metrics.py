@@ -142,7 +142,7 @@ def _parse_line(line: str) -> dict[str, Any] | None:
     """One metrics.jsonl record, or None for a blank line or one torn by a crash mid-write."""
     try:
         r = json.loads(line) if line.strip() else None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return r if isinstance(r, dict) else None
 

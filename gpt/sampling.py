@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gpt.config import check_sampling
 from gpt.errors import UserError
 from gpt.model import GPT, KVCache, decode_kernels_problem, for_decoding, init_cache, slot_tokens
 from gpt.runtime import decode_kernels_on
@@ -36,6 +37,11 @@ class SamplingSettings:
     top_p: float = 1.0  # 1: off
     eot_id: int | None = None  # generation of a row stops after it emits this token
     stop_ids: tuple[int, ...] = ()  # more ids that end a row (a model's other EOS ids); need eot_id
+
+    def __post_init__(self):  # as the command line's: a negative temperature drew padding ids
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.max_new_tokens < 0:
+            raise UserError(f"max_new_tokens={self.max_new_tokens} must be zero or more")
 
     @property
     def end_ids(self) -> tuple[int, ...]:
@@ -230,6 +236,8 @@ def generate(model: GPT, prompt_BP: jax.Array, key: jax.Array, s: SamplingSettin
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[jax.Array, jax.Array]:
     """Rows of different lengths -> ([B, P] left-padded ids, [B] index of each row's first token)."""
+    if not prompts or not all(len(p) for p in prompts):
+        raise UserError("a prompt is empty (or there are none); give each row at least one token")
     P = max(len(p) for p in prompts)
     rows = [[pad_id] * (P - len(p)) + list(p) for p in prompts]
     return jnp.array(rows, jnp.int32), jnp.array([P - len(p) for p in prompts], jnp.int32)

@@ -172,7 +172,7 @@ def _read_meta_quietly(out_dir: Path) -> dict | None:
     try:
         meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
         return meta if isinstance(meta, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 

@@ -372,6 +372,9 @@ def load_tokenizer(spec: dict, base_dir: str | Path) -> Tokenizer:
         if len(ranks) != n or sorted(ranks.values()) != list(range(n)):
             raise UserError(f"tokenizer file {Path(base_dir) / file} has {len(ranks)} tokens, spec says {n}; "
                             f"re-run data preparation")
+        if any(bytes([b]) not in ranks for b in range(256)):  # tiktoken panics on a byte it lacks
+            raise UserError(f"tokenizer file {Path(base_dir) / file} lacks some of the 256 single bytes a "
+                            f"byte-level BPE starts from; re-run data preparation")
         return TiktokenTokenizer(_tiktoken_encoding(f"bpe{n}", ranks), dict(spec), files=[file])
     if kind == "hf":
         return load_hf_spec(spec, Path(base_dir))

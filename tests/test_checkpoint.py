@@ -93,9 +93,10 @@ def test_arrays_of_other_shapes_are_not_called_damaged(tmp_path):
 
 def test_read_meta_skips_a_step_whose_meta_is_damaged(tmp_path):
     save_steps(tmp_path, {1: 2.0, 2: 1.5})
-    (ckpt.checkpoint_dir(tmp_path) / "2" / "meta" / "metadata").write_text("{torn")
-    step, m = ckpt.read_meta(tmp_path)
-    assert step == 1 and m == json.loads(json.dumps(meta(1)))
+    for torn in ("{torn", "[" * 100_000 + "]" * 100_000):  # the second: json's RecursionError
+        (ckpt.checkpoint_dir(tmp_path) / "2" / "meta" / "metadata").write_text(torn)
+        step, m = ckpt.read_meta(tmp_path)
+        assert step == 1 and m == json.loads(json.dumps(meta(1)))
 
 
 @pytest.mark.parametrize("edit, words", [

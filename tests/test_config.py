@@ -47,6 +47,9 @@ def test_architecture_apart_from_compute_settings():
     assert model_from_dict(old) == ModelConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2,
                                                n_embd=32, bias=True)
     assert compute_from_dict(old).dropout == 0.2
+    for bad in (float("nan"), float("inf")):  # the command line refuses these; an edited file too
+        with pytest.raises(UserError, match="norm_eps=.*edited or is damaged"):
+            model_from_dict({**old, "norm_eps": bad})
 
 
 def test_unknown_key_suggests_closest():
@@ -54,6 +57,8 @@ def test_unknown_key_suggests_closest():
         parse(["--n_layr=3"])
     with pytest.raises(UserError, match="unknown preset 'gpt3'"):
         parse(["--preset=gpt3"])
+    with pytest.raises(UserError, match="--preset sets none of this command's settings"):
+        build([SampleConfig], ["--preset=gpt2"])
 
 
 @pytest.mark.parametrize("argv,field", [
@@ -113,6 +118,10 @@ def test_config_files_toml_and_json(tmp_path):
         parse([f"--config={tmp_path / 'n.json'}"])
     (tmp_path / "c.toml").write_text("[compute]\ndropout = 0.25\n")  # a checkpoint's layout
     assert parse([f"--config={tmp_path / 'c.toml'}"])[1].dropout == 0.25
+    for name, text in (("deep.json", "[" * 100_000 + "]" * 100_000), ("deep.toml", "a=" + "[" * 100_000)):
+        (tmp_path / name).write_text(text)  # a RecursionError in the parsers, not a decode error
+        with pytest.raises(UserError, match=f"config file .*{name} is not valid"):
+            parse([f"--config={tmp_path / name}"])
     evil = tmp_path / "evil.py"
     evil.write_text("import os\n")
     with pytest.raises(UserError, match=r"\.toml or \.json"):

@@ -545,6 +545,8 @@ def _bad_record_input(tmp_path: Path, case: str) -> tuple[Path, dict]:
         return write(tmp_path / "b.jsonl", "\n".join(good + ['{"body": "x"}']) + "\n"), {}
     if case == "not a string":
         return write(tmp_path / "b.jsonl", "\n".join(good + ['{"text": ["x"]}']) + "\n"), {}
+    if case == "nested too deeply":  # json raises RecursionError, not a decode error
+        return write(tmp_path / "b.jsonl", "\n".join(good + ["[" * 100_000 + "]" * 100_000]) + "\n"), {}
     if case == "parquet column":
         return write_format(tmp_path / "b.parquet", ["x"], field="content"), {}
     if case == "parquet null":
@@ -569,6 +571,7 @@ def _bad_record_input(tmp_path: Path, case: str) -> tuple[Path, dict]:
     ("not json", r"b\.jsonl' line 4 is not valid JSON.*--skip_bad_records"),
     ("no field", r"b\.jsonl' line 4 has no field 'text' \(top-level keys: body; pass --text_field"),
     ("not a string", r"line 4 has a list in field 'text', not a string.*--skip_bad_records"),
+    ("nested too deeply", r"b\.jsonl' line 4 is JSON nested too deeply to read.*--skip_bad_records"),
     ("parquet column", r"b\.parquet' has no column 'text' \(columns: id, content\); pass --text_field"),
     ("parquet null", r"b\.parquet' row 2 has null in column 'text', not a string"),
     ("not parquet", r"b\.parquet' is not a readable Parquet file"),

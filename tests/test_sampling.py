@@ -321,3 +321,33 @@ def test_decode_loop_reads_and_writes_the_cache_and_weights_in_place():
                  and (m := re.search(r"= f32\[([\d,]+)\]", line))
                  and tuple(sorted(int(d) for d in m.group(1).split(","))) in weights]
         assert not moved, (batch, "a weight moved", moved[:2])
+
+
+def test_settings_and_prompts_are_checked_in_the_python_api_too():
+    """SamplingSettings takes the command line's checks: a negative temperature turned the padded
+    vocabulary's -inf into +inf and drew padding ids; an empty row divided by zero."""
+    from gpt.errors import UserError
+    for kw, field in (({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                      ({"top_k": -3}, "top_k"), ({"max_new_tokens": -1}, "max_new_tokens")):
+        with pytest.raises(UserError, match=field):
+            SamplingSettings(**kw)
+    for prompts in ([[]], [[1], []], []):
+        with pytest.raises(UserError, match="prompt is empty"):
+            left_pad(prompts)
+
+
+def test_an_empty_prompt_starts_from_a_newline_or_says_what_to_pass(capsys):
+    """A char model's alphabet may lack the newline an empty prompt starts from: one line saying
+    to pass --prompt, where the char tokenizer's error named a '\\n' the user never typed."""
+    from types import SimpleNamespace
+    from gpt.errors import UserError
+    from gpt.tokenizer import CharTokenizer
+    from sample import read_prompt
+    cfg = SimpleNamespace(prompt="", prompt_file="")
+    assert read_prompt(cfg, CharTokenizer("\nab")) == [0] and "newline" in capsys.readouterr().err
+    with pytest.raises(UserError, match="no newline to start from; pass --prompt"):
+        read_prompt(cfg, CharTokenizer("ab"))
+    with pytest.raises(UserError, match="^--prompt: text contains 1 character"):
+        read_prompt(SimpleNamespace(prompt="abc", prompt_file=""), CharTokenizer("ab"))
+    with pytest.raises(UserError, match="^--prompt is not valid UTF-8"):  # a byte 0xff on argv
+        read_prompt(SimpleNamespace(prompt="ab\udcffcd", prompt_file=""), CharTokenizer("abcd"))

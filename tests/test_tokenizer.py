@@ -162,6 +162,11 @@ def test_bpe_reload_from_spec(bpe, tmp_path):
     (tmp_path / BPE_FILE).write_bytes((d / BPE_FILE).read_bytes() + b"\n")  # same ranks, other hash
     with pytest.raises(UserError, match="sha256"):
         load_tokenizer(spec, tmp_path)
+    import base64  # ranks 0..n-1 without the single bytes: tiktoken panicked encoding a prompt
+    pairs = [bytes([65 + i // 26, 65 + i % 26]) for i in range(spec["n_regular"])]
+    (tmp_path / BPE_FILE).write_text("".join(f"{base64.b64encode(p).decode()} {r}\n" for r, p in enumerate(pairs)))
+    with pytest.raises(UserError, match="lacks some of the 256 single bytes"):
+        load_tokenizer({**spec, "sha256": None}, tmp_path)
 
 
 def test_bpe_build_tokenizer(tmp_path):
