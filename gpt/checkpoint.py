@@ -109,14 +109,18 @@ class Checkpointer:
     def __init__(self, out_dir: str | Path, keep: int = 3, *, read_only: bool = False,
                  async_save: bool = True):
         self.dir = checkpoint_dir(out_dir)
+        # The last `keep` steps and the best by val loss. Orbax writes a step's metrics to disk only
+        # with a best_fn, and a restarted manager that finds none had deleted the best step at the
+        # first save after a resume. Steps saved without them (by earlier versions) are kept.
         policy = pp.AnyPreservationPolicy([
             pp.LatestN(n=keep),
             pp.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1,
-                     keep_checkpoints_without_metrics=False),
+                     keep_checkpoints_without_metrics=True),
         ])
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policy, create=not read_only, read_only=read_only,
-            enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only)
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
+            best_fn=lambda m: m["val_loss"], best_mode="min")
         self.read_only = read_only
         _quiet_abandoned_reads()  # a failed save or restore leaves Orbax reads/writes that complain
         self._pending: int | None = None  # the step whose asynchronous save may still be running

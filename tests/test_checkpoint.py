@@ -51,6 +51,16 @@ def test_keeps_last_n_and_the_best(tmp_path):
     assert ckpt.list_steps(tmp_path) == [2, 4, 5]  # the best (2) survives the last-2 window
 
 
+def test_the_best_survives_a_resume(tmp_path):
+    """A resumed run's manager reads the earlier steps' val losses back from disk (Orbax wrote
+    them only with a best_fn): the best step was deleted at the first save after a resume."""
+    save_steps(tmp_path, {1: 1.0, 2: 5.0}, keep=1)
+    save_steps(tmp_path, {3: 6.0, 4: 7.0}, keep=1)
+    assert ckpt.list_steps(tmp_path) == [1, 4]
+    save_steps(tmp_path, {5: 0.5, 6: 2.0}, keep=1)
+    assert ckpt.list_steps(tmp_path) == [5, 6]
+
+
 def test_damaged_newest_falls_back_and_is_moved_aside(tmp_path, capsys):
     save_steps(tmp_path, {1: 2.0, 2: 1.5})
     shutil.rmtree(ckpt.checkpoint_dir(tmp_path) / "2" / "params")
