@@ -374,7 +374,7 @@ def hf_tensors(params: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray
 def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_id: Any = _UNSET,
           dropout: float = 0.0, overwrite: bool = False, source_type: str | None = None,
           bos_id: int | None = None, stop_ids: Sequence[int] = (),
-          files: dict[str, bytes] | None = None) -> Path:
+          files: dict[str, bytes] | None = None, keep: Sequence[tuple[str, Path]] = ()) -> Path:
     """Write `config.json` + `model.safetensors` loadable by AutoModelForCausalLM.from_pretrained:
     GPT2LMHeadModel, or for the modern block Llama/Qwen2/Qwen3 (Mistral if it came from one).
     `stop_ids`: the model's other EOS ids, written after eot_id as the config's list of them.
@@ -382,7 +382,8 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
 
     The directory appears complete or not at all: both files are written into a temporary sibling
     directory that is then renamed. An existing non-empty `hf_dir` is replaced only with
-    `overwrite`, and only if it looks like a model directory (holds config.json).
+    `overwrite`, and only if it looks like a model directory (holds config.json), and never if it
+    is or holds one of the `keep` (what, path) pairs: the checkpoint exported, a LoRA run's base.
     """
     from safetensors.numpy import save_file
 
@@ -410,6 +411,11 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
     if (dest / "checkpoints").exists():  # a model converted in place: replacing it would delete them
         raise UserError(f"{dest} holds checkpoints/ (a training or conversion output); refusing to replace "
                         f"it, choose another --hf_dir")
+    for what, path in keep:
+        path = Path(path).resolve()
+        if nonempty and (path == dest.resolve() or dest.resolve() in path.parents):
+            raise UserError(f"--hf_dir {dest} holds {what} {path}; replacing it would delete that, choose "
+                            f"another --hf_dir")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     try:
@@ -528,7 +534,7 @@ def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool
         llama.check_compatible(cfg)
     else:
         check_gpt2_compatible(cfg)
-    step, _, params, meta = restore_params(out_dir, step)
+    step, _, params, meta = restore_params(out_dir)  # past a damaged newest step, as sampling does
     tok = meta.get("tokenizer")
     eot = tok.get("eot_id") if isinstance(tok, dict) and "eot_id" in tok else _UNSET
     source = meta.get("hf_model_type") if isinstance(meta.get("hf_model_type"), str) else None
@@ -538,8 +544,11 @@ def checkpoint_to_hf(out_dir: str | Path, hf_dir: str | Path, *, overwrite: bool
         hf_tok = load_tokenizer(tok, out_dir)  # checks the file against the recorded sha256
         bos, stops = hf_tok.bos_id, hf_tok.stop_ids
         files[HF_FILE] = (Path(out_dir) / hf_tok.files()[0]).read_bytes()
+    keep = [("the checkpoint being exported", Path(out_dir))]
+    if isinstance(meta.get("lora"), dict) and isinstance(meta["lora"].get("base"), dict):
+        keep.append(("the LoRA run's base", Path(str(meta["lora"]["base"].get("path")))))
     dest = to_hf(params, cfg, hf_dir, eot_id=eot, dropout=dropout, overwrite=overwrite,
-                 source_type=source, bos_id=bos, stop_ids=stops, files=files)
+                 source_type=source, bos_id=bos, stop_ids=stops, files=files, keep=keep)
     return f"exported step {step} of {out_dir} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, " \
            f"vocab {cfg.vocab_size}) to {dest}"
 

@@ -240,3 +240,27 @@ def test_gpt2_sized_vocabulary_with_a_tokenizer_of_its_own(hf, tmp_path):
     _, meta, tok = load_model(out, dtype="float32")
     assert meta["tokenizer"]["kind"] == "hf" and (out / "tokenizer.json").is_file()
     assert tok.encode("Hello") == [6894] and tok.decode([15496]) == "world"  # GPT-2: 15496, 6894
+
+
+def test_export_falls_back_past_a_damaged_step_and_never_replaces_its_source(tmp_path):
+    """--to_hf exports the newest intact step (sampling falls back past a damaged one; the export
+    refused and advised --overwrite, which would delete the good steps), and --overwrite never
+    replaces an --hf_dir that holds the checkpoint being exported (it had deleted it)."""
+    from gpt import checkpoint as ckpt
+    from gpt.config import to_dict
+    from helpers import tiny_model_config
+    from test_reliability import damage
+    cfg = dataclasses.replace(tiny_model_config(), bias=True)
+    out = tmp_path / "run"
+    c = ckpt.Checkpointer(out, keep=2, async_save=False)
+    for step in (1, 2):
+        meta = {"format_version": ckpt.FORMAT_VERSION, "step": step, "config": {"model": to_dict(cfg)},
+                "tokenizer": {"kind": "char", "chars": "abc", "vocab_size": 3, "eot_id": None}}
+        c.save(step, nnx.to_pure_dict(nnx.state(tiny_gpt(cfg, seed=step))), {"none": np.zeros(())}, meta, 1.0)
+    c.close()
+    damage(out, 2, "truncate_array")
+    assert "exported step 1" in convert.checkpoint_to_hf(out, tmp_path / "hf")
+    out = out.rename(tmp_path / "hf" / "ours")  # the run kept beside its export
+    with pytest.raises(UserError, match="holds the checkpoint being exported"):
+        convert.checkpoint_to_hf(out, tmp_path / "hf", overwrite=True)
+    assert ckpt.list_steps(out) and (tmp_path / "hf" / "config.json").is_file()
