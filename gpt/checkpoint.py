@@ -366,19 +366,21 @@ def foreign_entries(out_dir: str | Path) -> list[str]:
     return sorted(p.name for p in d.iterdir() if not _OURS.match(p.name) and TMP_MARKER not in p.name)
 
 
-RUN_LOGS = ("metrics.jsonl", "loss.png", "events.out.tfevents.*")  # a run's logs beside its checkpoints
-ASIDE_LOGS = "logs"  # inside ASIDE: the old run's logs
+# A run's files beside its checkpoints: its logs, and the tokenizer files sampling reads (a new
+# run writes its own before its first save: a failed one had left the old checkpoints unreadable)
+RUN_FILES = ("metrics.jsonl", "loss.png", "events.out.tfevents.*", "tokenizer.tiktoken", "tokenizer.json")
+ASIDE_LOGS = "logs"  # inside ASIDE: the old run's RUN_FILES
 LOGS_MOVED = ".all-moved"  # in ASIDE_LOGS once set_aside has moved every log (a kill may stop it midway)
 
 
-def _run_logs(out: Path) -> list[Path]:
-    return [p for pattern in RUN_LOGS for p in sorted(out.glob(pattern)) if p.is_file()]
+def _run_files(out: Path) -> list[Path]:
+    return [p for pattern in RUN_FILES for p in sorted(out.glob(pattern)) if p.is_file()]
 
 
 def set_aside(out_dir: str | Path) -> Path | None:
-    """--overwrite: move the old checkpoints, and the logs that go with them, aside instead of
-    deleting them; `settle_aside` deletes them once the new run has a checkpoint, or puts them
-    back if it has none. A leftover from a run that died first is put back (or dropped if that
+    """--overwrite: move the old checkpoints, and the logs and tokenizer files that go with them,
+    aside instead of deleting them; `settle_aside` deletes them once the new run has a checkpoint,
+    or puts them back if it has none. A leftover from a run that died first is put back (or dropped if that
     run did save)."""
     out, d = Path(out_dir).absolute(), checkpoint_dir(out_dir)
     aside = out / ASIDE
@@ -387,7 +389,7 @@ def set_aside(out_dir: str | Path) -> Path | None:
         return None
     os.replace(d, aside)
     (aside / ASIDE_LOGS).mkdir()
-    for p in _run_logs(out):
+    for p in _run_files(out):
         os.replace(p, aside / ASIDE_LOGS / p.name)
     (aside / ASIDE_LOGS / LOGS_MOVED).touch()  # every log is aside: the ones in out are the new run's
     return aside
@@ -412,7 +414,7 @@ def settle_aside(out_dir: str | Path, aside: Path | None) -> None:
     logs = aside / ASIDE_LOGS
     if logs.is_dir():  # the failed run's logs give way to the old run's
         if (logs / LOGS_MOVED).exists():  # else set_aside was cut short: out's logs are the old run's too
-            for p in _run_logs(Path(out_dir)):
+            for p in _run_files(Path(out_dir)):
                 p.unlink()
         (logs / LOGS_MOVED).unlink(missing_ok=True)
         for p in logs.iterdir():

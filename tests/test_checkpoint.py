@@ -185,11 +185,14 @@ def test_overwrite_logs_come_back_even_from_a_set_aside_cut_short(tmp_path):
     (out / "checkpoints" / "4").mkdir(parents=True)
     (out / "metrics.jsonl").write_text("old\n")
     (out / "events.out.tfevents.1").write_text("old events")
+    (out / "tokenizer.tiktoken").write_text("old ranks")  # the old checkpoints' tokenizer (sha256 recorded)
     aside = ckpt.set_aside(out)
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
     (out / "metrics.jsonl").write_text("failed run\n")  # a run that stops before its first save
+    (out / "tokenizer.tiktoken").write_text("new ranks")
     ckpt.settle_aside(out, aside)
     assert (out / "metrics.jsonl").read_text() == "old\n" and (out / "events.out.tfevents.1").exists()
+    assert (out / "tokenizer.tiktoken").read_text() == "old ranks"
     assert ckpt.list_steps(out) == [4] and not aside.exists()
     # killed after moving the checkpoints and one log: the next start puts everything back
     os.replace(out / "checkpoints", aside)
