@@ -104,6 +104,9 @@ def _int_getter(hf: dict[str, Any], where: str):
 def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """Our ModelConfig from a Hugging Face config dict; anything we cannot run is a UserError."""
     model_type = hf.get("model_type")
+    if not isinstance(model_type, str):
+        raise UserError(f"{where}: model_type={model_type!r} is not a model type's name (gpt2, "
+                        f"{', '.join(llama.ARCHITECTURES)})")
     get_int = _int_getter(hf, where)
     if model_type in llama.ARCHITECTURES:
         return llama.config_from_hf(hf, where, get_int)
@@ -114,7 +117,7 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
     n_embd, n_layer, n_head = get_int("n_embd"), get_int("n_layer"), get_int("n_head")
     block_size, vocab_size = get_int("n_positions", "n_ctx"), get_int("vocab_size")
     act = hf.get("activation_function", "gelu_new")
-    if act not in HF_ACTIVATIONS:
+    if not isinstance(act, str) or act not in HF_ACTIVATIONS:
         raise UserError(f"{where}: activation_function {act!r} is not supported; use one of "
                         f"{', '.join(HF_ACTIVATIONS)}")
     eps = hf.get("layer_norm_epsilon", 1e-5)

@@ -16,6 +16,7 @@ module maps their configs and tensors. Layout (torch Linear weights are [out, in
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -27,12 +28,13 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
+DEFAULT_WINDOW = 4096  # transformers' sliding_window for Mistral (and Qwen2/3 with use_sliding_window)
 ROPE_SCALINGS = ("linear", "llama3")  # a fixed change of the frequencies (gpt.model.rope_frequencies)
 
 
 def _number(d: dict[str, Any], key: str, where: str, integer: bool = False) -> float:
     v = d.get(key)
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or v <= 0:
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or not 0 < v < math.inf:
         raise UserError(f"{where}: {key}={v!r} must be a positive {'integer' if integer else 'number'}")
     return v
 
@@ -44,6 +46,8 @@ def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
     depend on the length, and are refused."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise UserError(f"{where}: rope_parameters={params!r} is not an object of RoPE settings")
     if hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UserError(f"{where}: partial_rotary_factor is not supported (RoPE over the whole head)")
     out: dict[str, Any] = {}
@@ -84,7 +88,8 @@ def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
 def _check_unsupported(hf: dict[str, Any], model_type: str, where: str) -> None:
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    # transformers' default where the key is left out (Mistral's, and Qwen's with use_sliding_window)
+    window, context = hf.get("sliding_window", DEFAULT_WINDOW), hf.get("max_position_embeddings")
     covers = isinstance(window, int) and isinstance(context, int) and window >= context  # full attention
     if window is not None and (model_type == "mistral" or hf.get("use_sliding_window")) and not covers:
         raise UserError(f"{where}: sliding-window attention (sliding_window={window}, shorter than "
@@ -103,9 +108,7 @@ def config_from_hf(hf: dict[str, Any], where: str, get_int: Callable[..., int]) 
     D, H = get_int("hidden_size"), get_int("num_attention_heads")
     G = hf.get("num_key_value_heads") or H
     head = hf.get("head_dim") or D // H
-    eps = hf.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-        raise UserError(f"{where}: rms_norm_eps={eps!r} must be a positive number")
+    eps = _number({"rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}, "rms_norm_eps", where)
     if not isinstance(G, int) or not isinstance(head, int) or G <= 0 or head <= 0:
         raise UserError(f"{where}: num_key_value_heads and head_dim must be positive integers")
     cfg = ModelConfig(

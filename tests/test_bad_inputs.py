@@ -106,6 +106,8 @@ def _edited_checkpoints(root: Path, good: Path) -> None:
     wrong type, a tokenizer file name that climbs out of the directory."""
     edits = {"ck_null_config": lambda m: m.update(config=None),
              "ck_wrong_type": lambda m: m["config"]["model"].update(n_layer="four"),
+             "ck_nan_eps": lambda m: m["config"]["model"].update(norm_eps=float("nan")),  # sampled newlines
+             "ck_nan_best": lambda m: m.update(best_val_loss=float("nan")),  # "best nan" for good
              "ck_traversal": lambda m: m.update(tokenizer={"kind": "bpe", "n_regular": 256, "file": "../../x.tiktoken",
                                                            "sha256": "0" * 64, "vocab_size": 257, "eot_id": 256})}
     for name, edit in edits.items():
@@ -341,6 +343,11 @@ def cases(w) -> list[Case]:
                                           f"--data_dir={data}"], "checkpoint", root / "ck_null_config"),
         Case("train resume wrong type", [PY, "train.py", "--init_from=resume", f"--out_dir={root / 'ck_wrong_type'}",
                                          f"--data_dir={data}"], "n_layer", root / "ck_wrong_type"),
+        Case("train resume nan best loss", [PY, "train.py", "--init_from=resume", f"--out_dir={root / 'ck_nan_best'}",
+                                            f"--data_dir={data}", "--max_iters=8"], "best_val_loss=nan",
+             root / "ck_nan_best"),
+        Case("sample nan norm_eps", [PY, "sample.py", f"--out_dir={root / 'ck_nan_eps'}"], "norm_eps=nan",
+             root / "ck_nan_eps"),
         Case("sample null config", [PY, "sample.py", f"--out_dir={root / 'ck_null_config'}"], "checkpoint",
              root / "ck_null_config"),
         Case("sample wrong type", [PY, "sample.py", f"--out_dir={root / 'ck_wrong_type'}"], "n_layer",

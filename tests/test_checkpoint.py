@@ -188,6 +188,7 @@ def test_overwrite_logs_come_back_even_from_a_set_aside_cut_short(tmp_path):
     (out / "tokenizer.tiktoken").write_text("old ranks")  # the old checkpoints' tokenizer (sha256 recorded)
     aside = ckpt.set_aside(out)
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert "the run it replaced is kept in" in ckpt.describe_missing(out)  # sample.py meanwhile
     (out / "metrics.jsonl").write_text("failed run\n")  # a run that stops before its first save
     (out / "tokenizer.tiktoken").write_text("new ranks")
     ckpt.settle_aside(out, aside)

@@ -150,6 +150,10 @@ def _bad_dirs(root: Path, good: Path) -> dict[str, tuple[list[str], str]]:
     (root / "gemma" / "config.json").write_text(json.dumps(
         {"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}))
     cases["gemma"] = (["--from_hf", str(root / "gemma")], "GemmaForCausalLM")
+    (root / "act").mkdir()  # a list where a name belongs: TypeError (unhashable) before
+    (root / "act" / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()),
+                                                          "activation_function": ["gelu"]}))
+    cases["activation_a_list"] = (["--from_hf", str(root / "act")], "activation_function ['gelu']")
     (root / "pickle").mkdir()
     (root / "pickle" / "config.json").write_text((good / "config.json").read_text())
     (root / "pickle" / "pytorch_model.bin").write_bytes(b"not read")

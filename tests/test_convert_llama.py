@@ -126,6 +126,12 @@ def _write_config(path: Path, **kw) -> Path:
     (dict(hidden_size=42, num_attention_heads=6, num_key_value_heads=2), "RoPE needs an even head dimension"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     (dict(attention_bias=True), "attention_bias=true is not supported"),
+    # transformers' 4,096-token window where Mistral's config leaves the key out
+    (dict(model_type="mistral", max_position_embeddings=8192), "sliding_window=4096, shorter than"),
+    (dict(model_type=["llama"]), r"model_type=\['llama'\] is not a model type's name"),
+    (dict(rope_parameters=[1]), r"rope_parameters=\[1\] is not an object"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps=nan must be a positive number"),
+    (dict(rope_theta=float("inf")), "rope_theta=inf must be a positive number"),
 ])
 def test_unsupported_configs_are_one_clear_error(tmp_path, kw, match):
     d = _write_config(tmp_path / "m", **kw)
