@@ -54,8 +54,8 @@ class Batches:
         self.groups = check_int("groups", groups, 1)
         if self.batch_size % (self.groups * self.process_count):
             split = "" if self.groups == 1 else f"in {self.groups} groups of rows each "
-            raise UserError(f"batch_size={batch_size} (global) is not divisible {split}by the {process_count} "
-                            f"processes; use a multiple of {self.groups * process_count}")
+            raise UserError(f"batch_size={batch_size} (global) is not divisible {split}by the "
+                            f"{process_count} processes; use a multiple of {self.groups * process_count}")
         self.data_dir = Path(data_dir)
         self.split = split
         self.meta = load_meta(self.data_dir) if meta is None else meta  # a run reads it once

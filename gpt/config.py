@@ -670,8 +670,9 @@ def json_fields(cls: type, d: Any) -> dict[str, Any]:
         if name not in d:
             continue
         v = d[name]
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
         ok = {int: isinstance(v, int) and not isinstance(v, bool), bool: isinstance(v, bool), str: isinstance(v, str),
-              float: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}.get(typ, True)
+              float: number and math.isfinite(v)}.get(typ, True)
         if typing.get_origin(typ) is list:
             ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
         if not ok:

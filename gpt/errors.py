@@ -36,7 +36,7 @@ def read_json_object(path, what: str) -> dict:
     import json
     try:
         data = json.loads(open(path, encoding="utf-8").read())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # deep nesting: RecursionError
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # deep nesting: the last
         raise UserError(f"{path} is not valid JSON ({' '.join(str(e).split())}); it should be {what}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} must hold a JSON object ({what})")

@@ -601,7 +601,8 @@ def restore_state(checkpointer: ckpt.Checkpointer, state: State, shards: dict[st
     step, params, opt_state, meta = checkpointer.restore(abstract(state.params, shards["params"]),
                                                          abstract(state.opt_state, shards["opt_state"]))
     best = meta.get("best_val_loss")
-    if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float)) or not math.isfinite(best)):
+    number = isinstance(best, (int, float)) and not isinstance(best, bool)
+    if best is not None and not (number and math.isfinite(best)):
         raise UserError(f"the checkpoint of step {step} records best_val_loss={best!r}, not a finite number; its "
                         f"metadata was edited or is damaged")
     return State(params, opt_state, step, best, state.frozen)
