@@ -88,6 +88,119 @@ def test_weight_decay_only_on_matrices():
     assert not mask["blocks"]["b_qkv"] and not mask["blocks"]["ln1_scale"] and not mask["lnf_scale"]
 
 
+def _nanogpt_lr(it: int, t: TrainConfig) -> float:
+    """nanoGPT train.py's get_lr, as written there."""
+    if it < t.warmup_iters:
+        return t.learning_rate * (it + 1) / (t.warmup_iters + 1)
+    if it > t.lr_decay_iters:
+        return t.min_lr
+    decay_ratio = (it - t.warmup_iters) / (t.lr_decay_iters - t.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return t.min_lr + coeff * (t.learning_rate - t.min_lr)
+
+
+def _nanogpt_steps(torch, ref, named: dict, xs, ys, t: TrainConfig) -> tuple[list[float], list[float]]:
+    """nanoGPT train.py's loop on transformers' GPT-2 `ref`: each step's mean loss and gradient norm."""
+    groups = [{"params": [p for p in named.values() if p.dim() >= 2], "weight_decay": t.weight_decay},
+              {"params": [p for p in named.values() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.beta1, t.beta2), eps=1e-8)
+    losses, norms = [], []
+    for it in range(xs.shape[0]):
+        for g in opt.param_groups:
+            g["lr"] = _nanogpt_lr(it, t)
+        micro = []
+        for a in range(xs.shape[1]):
+            logits = ref(torch.tensor(xs[it, a])).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.tensor(ys[it, a]).view(-1))
+            (loss / xs.shape[1]).backward()
+            micro.append(loss.item())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), t.grad_clip)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(np.mean(micro)))
+    return losses, norms
+
+
+def test_train_step_matches_nanogpt_torch_recipe(tmp_path):
+    """Our jitted step (make_optimizer + make_train_step) == nanoGPT's PyTorch recipe on the same
+    weights and batches for 3 steps: AdamW in two groups (decay on every tensor of dim >= 2, the
+    embeddings and tied head too; none on biases and LayerNorm weights), clip_grad_norm_ before the
+    step, get_lr's warmup (step 0) then cosine (steps 1-2), 2 micro-batches of loss / A each. The
+    torch model is our export (gpt.convert.to_hf) loaded as transformers' GPT2LMHeadModel, with
+    exact GELU as nanoGPT's nn.GELU.
+
+    grad_clip lies between the steps' norms (about 1.48, 1.20, 0.79): steps 0-1 clip, step 2 does
+    not. With every step clipped Adam's scale invariance would hide both the threshold and how
+    accumulation scales the gradient; here summing the micro-batch gradients instead of averaging
+    them moves the weights by 6e-4, a 1% higher threshold by 4e-5, no weight decay by 3e-4.
+    Measured float32 differences: losses and grad norms about 1e-7 relative, weights <= 2e-6 after
+    the 3 steps, except the attention's key bias (up to 1.5e-5): its true gradient is zero (a
+    constant added to a query's scores), so on both sides Adam turns rounding noise of about 1e-9
+    into steps of a fraction of lr; it gets its own bound of lr / 100."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from gpt.convert import hf_tensors, to_hf
+    from helpers import tiny_gpt
+
+    cfg = tiny_model_config(block_size=16, activation="gelu")
+    t = TrainConfig(batch_size=2, gradient_accumulation_steps=2, max_iters=3, learning_rate=1e-2, min_lr=1e-4,
+                    warmup_iters=1, lr_decay_iters=3, weight_decay=0.1, beta1=0.9, beta2=0.95, grad_clip=1.0)
+    N, A, B, T_, V, D = (t.max_iters, t.gradient_accumulation_steps, t.batch_size, cfg.block_size,
+                         cfg.vocab_size, cfg.n_embd)
+    graphdef, state = nnx.split(tiny_gpt(cfg, seed=0))
+    params0 = nnx.to_pure_dict(state)
+    tokens = np.random.default_rng(0).integers(0, V, (N, A, B, T_ + 1))
+    xs, ys = tokens[..., :-1], tokens[..., 1:]
+
+    # nanoGPT's side: our initial weights in transformers' GPT-2, trained as nanoGPT's train.py does
+    to_hf(params0, cfg, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["activation_function"] == "gelu"
+    ref = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()  # eval: no dropout
+    assert ref.lm_head.weight is ref.transformer.wte.weight  # tied, as nanoGPT's
+    named = dict(ref.named_parameters())  # the tied head once, as in nanoGPT's configure_optimizers
+    ref_losses, ref_norms = _nanogpt_steps(torch, ref, named, xs, ys, t)
+
+    # ours: the real step, jitted as the other tests run it
+    tx = T.make_optimizer(t)
+    step_fn = jax.jit(T.make_train_step(graphdef, tx, seed=0, lr=T.lr_schedule(t)))
+    params, opt_state, losses, norms, lrs = params0, tx.init(params0), [], [], []
+    for it in range(N):
+        params, opt_state, _, m = step_fn(params, opt_state, it, jnp.asarray(xs[it]), jnp.asarray(ys[it]))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+        lrs.append(float(m["lr"]))
+
+    np.testing.assert_allclose(lrs, [_nanogpt_lr(it, t) for it in range(N)], rtol=1e-6)
+    assert lrs[0] < lrs[1] > lrs[2] > t.min_lr  # warmup, then cosine
+    # steps 0 and 1 clip, step 2 does not (each 10% or more from the threshold)
+    assert ref_norms[0] > ref_norms[1] > 1.1 * t.grad_clip > t.grad_clip > 1.1 * ref_norms[2]
+    loss_rel = float(np.max(np.abs(np.subtract(losses, ref_losses)) / np.asarray(ref_losses)))
+    norm_rel = float(np.max(np.abs(np.subtract(norms, ref_norms)) / np.asarray(ref_norms)))
+    got, start = hf_tensors(params, cfg), hf_tensors(params0, cfg)
+    want = {k: v.detach().numpy() for k, v in ref.state_dict().items() if k in got}
+    assert want.keys() == got.keys() == {n for n in named}
+    key_bias = {k: (slice(D, 2 * D),) for k in got if k.endswith("attn.c_attn.bias")}  # q | k | v
+    diff = {k: np.abs(got[k] - want[k]) for k in got}
+    key_diff = max(float(diff[k][s].max()) for k, s in key_bias.items())
+    for k, s in key_bias.items():
+        diff[k][s] = 0.0
+    worst = max(diff, key=lambda k: diff[k].max())
+    moved = min(float(np.abs(want[k] - start[k]).max()) for k in got)
+    print(f"losses max rel diff {loss_rel:.3g}, grad norms {norm_rel:.3g}; weights after {N} steps: "
+          f"max abs diff {diff[worst].max():.3g} ({worst}), key biases {key_diff:.3g}; least a tensor "
+          f"moved {moved:.3g}")
+    assert loss_rel < 1e-5 and norm_rel < 1e-5
+    assert diff[worst].max() < 1e-5 < moved / 100  # every tensor moved: its update is compared
+    assert key_diff < t.learning_rate / 100
+
+    # the decay mask decays exactly nanoGPT's parameters (dim >= 2 in the GPT-2 layout): each
+    # exported tensor of the mask is all 1 (decayed) or all 0
+    mask = T.decay_mask(params)
+    mask_hf = hf_tensors(jax.tree.map(lambda m, p: np.full(np.shape(p), float(m)), mask, params), cfg)
+    assert {k: float(p.dim() >= 2) for k, p in named.items()} == {
+        k: float(v.flat[0]) for k, v in mask_hf.items() if (v == v.flat[0]).all()}
+
+
 def test_outputs_and_best_checkpoint_kept(tmp_path, char_data):
     out = tmp_path / "o"
     run(out, char_data, "--max_iters=12", "--eval_interval=3", "--keep_checkpoints=2")
