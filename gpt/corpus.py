@@ -478,7 +478,7 @@ def _field(obj, field: str) -> tuple[str | None, str | None]:
     """The record's text at `field` (a key, or a dotted path into nested objects): (text, None),
     or (None, what is wrong)."""
     if not isinstance(obj, dict):
-        return None, f"is a JSON {type(obj).__name__}, not an object with a {field!r} field"
+        return None, f"is {_kind(obj)}, not an object with a {field!r} field"
     value = obj
     if field in obj:
         value = obj[field]
@@ -495,7 +495,8 @@ def _field(obj, field: str) -> tuple[str | None, str | None]:
 
 def _kind(value) -> str:
     """A JSON-ish name for a value's type, for error messages."""
-    names = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    names = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object",
+             str: "a string"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
@@ -522,20 +523,28 @@ def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher, straddle
                 try:
                     obj = json.loads(line.decode("utf-8", reading.errors))
                 except UnicodeDecodeError:
-                    yield pos, f"line {lineno}", None, ("is not valid UTF-8 (pass --errors=replace to "
-                                                        "substitute U+FFFD)")
+                    yield pos, f"line {lineno}", None, NOT_UTF8
                     continue
                 except json.JSONDecodeError as e:
                     if array:  # the whole file is one value: skipping bad records would skip it all
-                        raise UserError(f"{str(path)!r} is one JSON array, not JSON lines (an object a "
-                                        f"line); convert it, e.g. jq -c '.[]' FILE > FILE.jsonl") from None
+                        raise _one_array(path) from None
                     yield pos, f"line {lineno}", None, f"is not valid JSON ({e.msg} at column {e.colno})"
+                    continue
+                except ValueError:  # Python's limit on int() digits
+                    yield pos, f"line {lineno}", None, "holds a number too long to read (over 4,300 digits)"
                     continue
                 except RecursionError:
                     yield pos, f"line {lineno}", None, "is JSON nested too deeply to read"
                     continue
+                if array and isinstance(obj, list) and obj and all(isinstance(o, dict) for o in obj):
+                    raise _one_array(path)  # on one line: one bad record would have been all of them
                 text, problem = _field(obj, reading.text_field)
                 yield pos, f"line {lineno}", text, problem
+
+
+def _one_array(path: Path) -> UserError:
+    return UserError(f"{str(path)!r} is one JSON array, not JSON lines (an object a line); convert it, "
+                     f"e.g. jq -c '.[]' FILE > FILE.jsonl")
 
 
 def _parquet_records(path: Path, reading: Reading, hasher) -> Records:
@@ -553,16 +562,39 @@ def _parquet_records(path: Path, reading: Reading, hasher) -> Records:
                             f"holds the text")
         total, row = max(pf.metadata.num_rows, 1), 0
         for batch in pf.iter_batches(batch_size=1024, columns=[field]):
-            for value in batch.column(0).to_pylist():
+            for value in _column_values(batch.column(0), reading.errors):
                 row += 1
                 ok = isinstance(value, str)
-                yield (size * row // total, f"row {row}", value if ok else None,
-                       None if ok else f"has {_kind(value)} in column {field!r}, not a string")
+                problem = NOT_UTF8 if value is _NOT_UTF8 else f"has {_kind(value)} in column {field!r}, not a string"
+                yield size * row // total, f"row {row}", value if ok else None, None if ok else problem
     except arrow_error as e:
         raise UserError(f"{str(path)!r} is not a readable Parquet file ({e}); check that it is Parquet "
                         f"and complete, or leave it out") from None
     if hasher is not None:
         _hash_file(path, hasher)
+
+
+_NOT_UTF8 = object()  # a string column's value whose bytes are not UTF-8
+NOT_UTF8 = "is not valid UTF-8 (pass --errors=replace to substitute U+FFFD)"
+
+
+def _column_values(column, errors: str) -> list:
+    """A batch's text column as Python values, a string column's decoded from its bytes with
+    `errors` (Arrow does not check UTF-8 when it reads a file: to_pylist raised on a bad byte);
+    a value strict decoding refuses is _NOT_UTF8."""
+    import pyarrow as pa
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return column.to_pylist()
+    binary = pa.large_binary() if pa.types.is_large_string(column.type) else pa.binary()
+
+    def decode(raw: bytes | None):
+        try:
+            return None if raw is None else raw.decode("utf-8", errors)
+        except UnicodeDecodeError:
+            return _NOT_UTF8
+    return [decode(v) for v in column.cast(binary).to_pylist()]
 
 
 def _pyarrow():

@@ -545,6 +545,17 @@ def _bad_record_input(tmp_path: Path, case: str) -> tuple[Path, dict]:
         return write(tmp_path / "b.jsonl", "\n".join(good + ['{"body": "x"}']) + "\n"), {}
     if case == "not a string":
         return write(tmp_path / "b.jsonl", "\n".join(good + ['{"text": ["x"]}']) + "\n"), {}
+    if case == "huge number":  # int() refuses over 4,300 digits: a ValueError, not a decode error
+        return write(tmp_path / "b.jsonl", "\n".join(good + ['{"text": "x", "n": ' + "1" * 5000 + "}"]) + "\n"), {}
+    if case == "array on one line":  # one record that is all of them: never skipped as one bad record
+        return write(tmp_path / "b.jsonl", json.dumps([{"text": f"doc {i}"} for i in range(5)]) + "\n"), \
+            {"skip_bad_records": True}
+    if case == "parquet not utf-8":  # Arrow does not check UTF-8 on read
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        column = pa.array([b"fine", b"bad \xff byte"]).view(pa.string())
+        pq.write_table(pa.table({"text": column.dictionary_encode()}), tmp_path / "b.parquet")
+        return tmp_path / "b.parquet", {}
     if case == "nested too deeply":  # json raises RecursionError, not a decode error
         return write(tmp_path / "b.jsonl", "\n".join(good + ["[" * 100_000 + "]" * 100_000]) + "\n"), {}
     if case == "parquet column":
@@ -571,6 +582,9 @@ def _bad_record_input(tmp_path: Path, case: str) -> tuple[Path, dict]:
     ("not json", r"b\.jsonl' line 4 is not valid JSON.*--skip_bad_records"),
     ("no field", r"b\.jsonl' line 4 has no field 'text' \(top-level keys: body; pass --text_field"),
     ("not a string", r"line 4 has a list in field 'text', not a string.*--skip_bad_records"),
+    ("huge number", r"b\.jsonl' line 4 holds a number too long to read"),
+    ("array on one line", r"b\.jsonl' is one JSON array, not JSON lines"),
+    ("parquet not utf-8", r"b\.parquet' row 2 is not valid UTF-8 \(pass --errors=replace"),
     ("nested too deeply", r"b\.jsonl' line 4 is JSON nested too deeply to read.*--skip_bad_records"),
     ("parquet column", r"b\.parquet' has no column 'text' \(columns: id, content\); pass --text_field"),
     ("parquet null", r"b\.parquet' row 2 has null in column 'text', not a string"),
@@ -761,3 +775,16 @@ def test_an_append_that_waited_while_the_store_was_replaced_says_so(tmp_path, mo
     with pytest.raises(UserError, match="was replaced by another preparation while this --append waited"):
         prepare([write(tmp_path / "c.txt", SHAKESPEARE[40_000:50_000])], None, out, append=True)
     assert load_meta(out)["splits"]["train"]["tokens"] > 0
+
+
+def test_parquet_text_that_is_not_utf8_is_replaced_on_request(tmp_path):
+    """--errors=replace reaches Parquet's string columns too (plain and dictionary-encoded): their
+    bytes are decoded by us, as a text file's are."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    column = pa.array([b"fine", b"bad \xff byte"]).view(pa.string())
+    pq.write_table(pa.table({"text": column}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": column.dictionary_encode()}), tmp_path / "b.parquet")
+    prepare([tmp_path / "a.parquet", tmp_path / "b.parquet"], "gpt2", tmp_path / "out", val_fraction=0.0,
+            errors="replace")
+    assert all_tokens(tmp_path / "out") == want_gpt2(["fine", "bad \ufffd byte"] * 2)
