@@ -414,8 +414,8 @@ def test_chunked_loss_is_the_same_loss(arch):
     """GPT.loss with loss_chunks (the head formed inside the loss, 3 slices of T = 8, the last
     padded) == the logits then cross_entropy, in value and in every gradient: a tied head
     (GPT-2), an untied one (Llama's w_head) and a mixture of experts through the training
-    objective (capacity applied); the evaluation's scoring agrees too."""
-    from gpt import evaluate, train
+    objective (capacity applied)."""
+    from gpt import train
     cfg = tiny_model_config(vocab_size=61, **{
         "gpt2": {}, "moe": dict(n_expert=4, n_expert_per_token=2),
         "llama": dict(bias=False, pos_embedding="rope", norm="rmsnorm", mlp="swiglu",
@@ -430,13 +430,11 @@ def test_chunked_loss_is_the_same_loss(arch):
         jaxpr = str(jax.make_jaxpr(fn)(params))
         assert ("_linear_ce" in jaxpr) == (chunks > 1 or bool(kernel))
         assert ("pallas_call" in str(jax.make_jaxpr(jax.grad(fn))(params))) == bool(kernel)  # it ran
-        results[chunks, kernel] = jax.jit(jax.value_and_grad(fn))(params), \
-            evaluate.score_tokens(model, np.arange(45) % 61, batch_size=2)
-    (la, ga), sa = results[1, ""]
-    for (lb, gb), sb in (results[3, ""], results[1, "interpret"]):
+        results[chunks, kernel] = jax.jit(jax.value_and_grad(fn))(params)
+    la, ga = results[1, ""]
+    for lb, gb in (results[3, ""], results[1, "interpret"]):
         np.testing.assert_allclose(float(la), float(lb), rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), ga, gb)
-        assert sa[1] == sb[1] and abs(sa[0] - sb[0]) < 1e-4 * sa[1]
 
 
 def _same_objective_with_kernel(cfg, x, scan: bool, field: str, runs: bool, atol: float) -> None:

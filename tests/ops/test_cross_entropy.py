@@ -116,16 +116,15 @@ def test_training_loss_takes_it():
     assert "name=cross_entropy" in jaxpr
 
 
-@pytest.mark.parametrize("caller", ["loss_fn", "objective", "score_tokens"])
+@pytest.mark.parametrize("caller", ["loss_fn", "objective"])
 def test_training_takes_the_runtimes_logsumexp(caller):
-    """The training step's objective, the evaluation loss and `gpt.evaluate`'s scoring pass the
-    Runtime's choice on: one reduction (a variadic reduce) on a GPU, a max and a sum on CPU; and
-    the training objective's value and gradient are the same either way."""
+    """The training step's objective and the evaluation loss pass the Runtime's choice on: one
+    reduction (a variadic reduce) on a GPU, a max and a sum on CPU; and the training objective's
+    value and gradient are the same either way."""
     from flax import nnx
 
     from helpers import tiny_model_config, tiny_runtime
-    from gpt import evaluate, train
-    from gpt import model as model_lib
+    from gpt import train
     from gpt.model import GPT
     cfg = tiny_model_config(vocab_size=61)  # a padded vocabulary: -inf logits
     x = jax.random.randint(jax.random.key(0), (2, 8), 0, 61)
@@ -135,13 +134,6 @@ def test_training_takes_the_runtimes_logsumexp(caller):
         assert rt.lse_one_pass == one_pass
         model = GPT(cfg, rngs=nnx.Rngs(0), runtime=rt)
         gd, params = nnx.split(model)
-        if caller == "score_tokens":  # through the model's loss (GPT.loss)
-            calls, ce = [], model_lib.cross_entropy
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(model_lib, "cross_entropy", lambda *a: calls.append(a[2:]) or ce(*a))
-                evaluate.score_tokens(model, np.arange(40) % 61, batch_size=2)
-            assert calls and all(c == (one_pass,) for c in calls), (backend, calls)
-            continue
         fn = (lambda p: train.loss_fn(gd, p, x, x)) if caller == "loss_fn" else \
             (lambda p: train.objective(gd, p, x, x)[0])
         jaxpr = str(jax.make_jaxpr(fn)(params))
