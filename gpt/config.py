@@ -113,6 +113,9 @@ class TrainConfig:
     tokenizer: str = "char"  # with --input: gpt2 | char | bpe:N | hf:PATH/tokenizer.json
     text_field: str = "text"  # with --input: JSONL key (dotted: nested) or Parquet column of the text
     skip_bad_records: bool = False  # with --input: skip (and count) records without a string text field
+    errors: str = "strict"  # with --input: invalid UTF-8 is an error (strict) or U+FFFD (replace)
+    include: list[str] = field(default_factory=list, metadata={"sep": ","})  # with --input: folders' file
+    # patterns (empty: gpt.data's, *.txt,*.txt.gz,*.jsonl,*.jsonl.gz,*.parquet)
     align_documents: bool = False  # each training row starts at a document start (packed best-fit)
     init_from: str = "scratch"  # scratch | resume | gpt2 | <checkpoint dir>
     overwrite: bool = False
@@ -242,6 +245,7 @@ _CHOICES = {
     "remat": ("none", "block", "dots"),
     "residual_dtype": ("float32", "compute"),
     "lr_schedule": ("cosine", "constant", "wsd"),
+    "errors": ("strict", "replace"),
 }
 
 
@@ -546,6 +550,7 @@ def validate_train(t: TrainConfig) -> TrainConfig:
     if not 0.0 < t.decay_fraction <= 1.0:
         raise UserError(f"--decay_fraction={t.decay_fraction} must be in (0, 1]")
     _check_choice(t, "lr_schedule")
+    _check_choice(t, "errors")
     if not t.out_dir:
         raise UserError("--out_dir must not be empty")
     if not t.init_from:
@@ -639,6 +644,9 @@ def build_train(argv: Sequence[str], default_preset: str | None = "default"
     """train.py's settings, validated: architecture, how it is computed, and the run."""
     (m, c, t), explicit = build(TRAIN_CLASSES, argv, default_preset)
     m, c, t = validate_model(m), validate_compute(c), validate_train(t)
+    if "input" in explicit and not t.input:  # --input="$UNSET" trained on the bundled Shakespeare
+        raise UserError("--input names no file; pass text files, folders or globs, or leave --input out "
+                        "to train on the bundled Shakespeare")
     check_lora_flags(t, explicit)
     check_moe_flags(m, t, explicit)
     return m, c, t, explicit

@@ -199,7 +199,8 @@ def resolve_data(t: TrainConfig) -> Path:
         return Path(t.data_dir)
     inputs = t.input or [str(BUNDLED_CORPUS)]
     cache = Path(os.environ.get("GPT_DATA_CACHE", REPO_ROOT / "data" / "cache"))
-    kw = dict(text_field=t.text_field, skip_bad_records=t.skip_bad_records)
+    kw = dict(text_field=t.text_field, skip_bad_records=t.skip_bad_records, errors=t.errors,
+              **({"include": t.include} if t.include else {}))  # the cache key of earlier runs kept
     return sharding.main_process_first(lambda: data_lib.ensure_prepared(inputs, t.tokenizer, cache, **kw),
                                        lambda: data_lib.ensure_prepared(inputs, t.tokenizer, cache,
                                                                         prepare_missing=False, **kw))
@@ -360,7 +361,7 @@ def _lora_base(t: TrainConfig, m: ModelConfig, explicit: set[str], meta_ck: dict
 
 
 # The flags that say how text is prepared (gpt.data): with a prepared --data_dir they do nothing.
-PREPARE_FLAGS = ("input", "tokenizer", "text_field", "skip_bad_records")
+PREPARE_FLAGS = ("input", "tokenizer", "text_field", "skip_bad_records", "errors", "include")
 
 # What a resumed run may change with a flag (how long it runs, how often it reports, where the
 # data and devices are, the kernels); every other setting must match the checkpoint. Unflagged,

@@ -164,6 +164,17 @@ def test_help_shows_the_values_a_run_starts_from():
     assert "preset" not in sample[0] and sample[1] == "  values as this command line sets them:"
 
 
+def test_input_flags_of_gpt_data():
+    """train.py --input takes gpt.data's --errors and --include, which its messages advise; an
+    empty --input (an unset shell variable) is refused, not the bundled corpus trained on."""
+    _, _, t, _ = parse(["--input=a/", "--errors=replace", "--include=*.md,*.txt"])
+    assert t.errors == "replace" and t.include == ["*.md", "*.txt"]
+    with pytest.raises(UserError, match="--errors=lenient is not valid"):
+        parse(["--errors=lenient"])
+    with pytest.raises(UserError, match="--input names no file"):
+        parse(["--input="])
+
+
 def test_hyphens_work_for_on_off_flags_too():
     """--max-iters=3 worked but --no-progress and a bare --scan-layers were refused."""
     m, c, t, _ = parse(["--no-progress", "--scan-layers", "--max-iters=3"])

@@ -564,3 +564,20 @@ def test_throughput_leaves_out_the_first_steps_compilation():
     assert prog.rate(through) == dict.fromkeys(["tokens_per_sec", "model_tflops", "mfu", "mfu_vendor"])
     prog.tokens += 128
     assert prog.rate(through)["tokens_per_sec"] > 0
+
+
+def test_input_reads_with_the_errors_and_include_it_is_given(tmp_path, monkeypatch):
+    """--errors=replace and --include reach the preparation of --input (the messages advised them,
+    and train.py refused both as unknown settings); the defaults keep earlier runs' cache."""
+    monkeypatch.setenv("GPT_DATA_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.md").write_bytes("caf\xe9 au lait, ".encode("latin-1") * 40)
+    (tmp_path / "in" / "b.txt").write_text("plain text, " * 40)
+    from gpt.config import build_train
+    from gpt.data import load_meta
+    t = build_train([f"--input={tmp_path / 'in'}", "--errors=replace", "--include=*.md"])[2]
+    meta = load_meta(T.resolve_data(t))
+    assert meta["tokenizer"]["chars"] == "".join(sorted(set("caf\ufffd au lait, ")))  # a.md alone, replaced
+    t = build_train([f"--input={tmp_path / 'in'}"])[2]
+    chars = load_meta(T.resolve_data(t))["tokenizer"]["chars"]  # the default include: b.txt alone
+    assert chars == "".join(sorted(set("plain text, ")))
