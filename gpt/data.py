@@ -224,6 +224,7 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
     _check_out_dir_outside(inputs, out_dir)
     workers = _check_workers(workers)
     files = resolve_inputs(inputs, settings.include)
+    _check_no_input_inside(files, out_dir)
     if old is not None:
         files = _new_files(files, old, out_dir)
     reading = Reading(errors, text_field, bool(skip_bad_records))
@@ -349,6 +350,16 @@ def _check_out_dir_outside(inputs, out_dir: Path) -> None:
         if p.is_dir() and (out == p.resolve() or p.resolve() in out.parents):
             raise UserError(f"--out_dir {str(out_dir)!r} is inside the input folder {str(p)!r}; choose an "
                             f"out_dir outside the inputs")
+
+
+def _check_no_input_inside(files: list[Path], out_dir: Path) -> None:
+    """A glob that reaches into out_dir (--input 'corpus/**' with out_dir corpus/out) would read
+    the store as its own input."""
+    out = out_dir.resolve()
+    inside = [f for f in files if out in f.resolve().parents]
+    if inside:
+        raise UserError(f"the input {str(inside[0])!r} lies inside --out_dir {str(out_dir)!r}; choose an "
+                        f"out_dir outside the inputs, or a pattern that does not reach into it")
 
 
 def _check_settings(s: Settings, backend: str, appending: bool) -> None:
@@ -593,12 +604,29 @@ def _store_tokenizer_name(meta: dict) -> str:
 
 
 def _new_files(files: list[Path], old: dict, out_dir: Path) -> list[Path]:
-    """The inputs not already in the store (same resolved path and size); none is an error."""
-    have = {(str(Path(s["path"]).resolve()), s["bytes"]) for s in old["sources"]}
-    new = [f for f in files if (str(f.resolve()), f.stat().st_size) not in have]
+    """The inputs not already in the store; none is an error. One the store holds (its resolved
+    path) must be as it was prepared, in size and sha256 (read again for that): an edited file
+    went in a second time, or with its size unchanged not at all."""
+    have = {str(Path(s["path"]).resolve()): s for s in old["sources"]}
+    new = []
+    for f in files:
+        src = have.get(str(f.resolve()))
+        if src is None:
+            new.append(f)
+        elif f.stat().st_size != src["bytes"] or src.get("sha256") not in (None, _sha256(f)):
+            raise UserError(f"{str(f)!r} has changed since it was prepared into {str(out_dir)!r}; prepare "
+                            f"the store again without --append, or leave that file out")
     if not new:
         raise UserError(f"every input is already in {str(out_dir)!r}; pass new files to --append")
     return new
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 # What meta.json may hold (format versions 1 and 2).

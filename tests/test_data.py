@@ -712,6 +712,21 @@ def test_append_adds_new_files_as_shards(tmp_path):
     with pytest.raises(UserError, match="holds none"):
         prepare([b], "gpt2", tmp_path / "nothing", append=True)
     assert load_meta(tmp_path / "out") == meta
+    # a file the store holds, edited: it went in twice (another size) or not at all (the same size)
+    for edit in (MANY[30:] + ["one more"], [t.upper() for t in MANY[30:]]):
+        write_format(b, edit)
+        with pytest.raises(UserError, match="b.jsonl' has changed since it was prepared"):
+            prepare([tmp_path / "in", write(tmp_path / "c.txt", "more")], None, tmp_path / "out", append=True)
+    assert load_meta(tmp_path / "out") == meta
+
+
+def test_a_glob_reaching_into_out_dir_is_refused(tmp_path):
+    """out_dir inside a folder is refused before resolving; a glob's files inside it were read as
+    input (the second run failed on its own meta.json as a bad JSON line)."""
+    write_format(tmp_path / "c" / "a.jsonl", MANY[:10])
+    prepare([str(tmp_path / "c" / "**")], "gpt2", tmp_path / "c" / "out", val_documents=1)
+    with pytest.raises(UserError, match="lies inside --out_dir"):
+        prepare([str(tmp_path / "c" / "**")], "gpt2", tmp_path / "c" / "out", val_documents=1)
 
 
 def test_append_never_takes_another_commands_progress_and_resumes_its_own(tmp_path, monkeypatch):
