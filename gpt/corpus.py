@@ -45,6 +45,7 @@ import gzip
 import io
 import json
 import os
+import re
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -97,9 +98,8 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike], include: Include = DEFAU
                                 f"pass another --include pattern or other inputs")
             files.extend(found)
         elif glob.has_magic(str(raw)):
-            matches = sorted(glob.glob(str(raw), recursive=True))
             found = []
-            for m in map(Path, matches):
+            for m in _glob(str(raw)):
                 if m.is_file():
                     found.append(m)
                 elif m.is_dir():
@@ -122,11 +122,69 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike], include: Include = DEFAU
 
 
 def _folder_files(folder: Path, include: Include) -> list[Path]:
-    """Files under `folder` matching any `include` pattern, sorted; hidden files and folders are
-    skipped (.git, editor backups, and prepare's own staging dirs)."""
-    found = {f for pattern in include_patterns(include) for f in folder.rglob(pattern)}
-    return sorted(f for f in found
-                  if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+    """Files under `folder` matching any `include` pattern (as rglob matches it), sorted."""
+    patterns = include_patterns(include)
+    return sorted(f for f in _walk(folder)
+                  if f.is_file() and any(f.relative_to(folder).match(p) for p in patterns))
+
+
+def _walk(folder: Path) -> Iterator[Path]:
+    """Every path under `folder`, folders included: hidden files and folders skipped (.git, editor
+    backups, prepare's own staging dirs), symlinked folders followed, each folder once (a link
+    cycle ends). A folder that cannot be listed is an error: its files were dropped silently."""
+    def failed(e: OSError):
+        raise UserError(f"cannot read the folder {e.filename!r} ({e.strerror}); make it readable, or "
+                        f"leave it out of the inputs")
+    seen: set[tuple[int, int]] = set()
+    for root, dirs, names in os.walk(folder, followlinks=True, onerror=failed):
+        st = os.stat(root)
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        yield from (Path(root) / n for n in [*dirs, *names] if not n.startswith("."))
+
+
+def _glob(pattern: str) -> list[Path]:
+    """glob.glob's matches, sorted; a `**` pattern's by `_walk` from the folder before its first
+    wildcard (glob followed a symlink cycle under `**` without end)."""
+    if "**" not in pattern:
+        return sorted(map(Path, glob.glob(pattern)))
+    parts = Path(pattern).parts
+    k = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    base, rest = Path(*parts[:k]) if k else Path("."), "/".join(parts[k:])
+    regex = re.compile(_glob_regex(rest))
+    return sorted(p for p in _walk(base) if regex.fullmatch(p.relative_to(base).as_posix())) \
+        if base.is_dir() else []
+
+
+def _glob_regex(pattern: str) -> str:
+    """A glob pattern of '/'-separated parts as a regex: `**` any number of folders, `*` and `?`
+    within one name, [...] a class; names starting with "." are skipped by `_walk` already."""
+    out, parts = [], pattern.split("/")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "**":
+            out.append(".*" if last else "(?:[^/]+/)*")
+            continue
+        j, piece = 0, ""
+        while j < len(part):
+            c = part[j]
+            end = part.find("]", j + 2) if c == "[" else -1
+            if c == "*":
+                piece += "[^/]*"
+            elif c == "?":
+                piece += "[^/]"
+            elif end != -1:
+                body = part[j + 1:end]
+                piece += "[" + ("^" + re.escape(body[1:]) if body.startswith("!") else re.escape(body)) + "]"
+                j = end
+            else:
+                piece += re.escape(c)
+            j += 1
+        out.append(piece + ("" if last else "/"))
+    return "".join(out)
 
 
 def file_format(path: Path) -> str:

@@ -61,6 +61,30 @@ def test_resolve_inputs_order_include_and_glob(tmp_path):
     got = resolve_inputs([str(tmp_path / "b" / "*.md")])
     assert [p.name for p in got] == ["skip.md"]
     assert [p.name for p in resolve_inputs([tmp_path / "b"], include="*.md")] == ["skip.md"]
+    got = resolve_inputs([str(tmp_path / "**" / "*.txt"), str(tmp_path / "b" / "**")])
+    assert [p.relative_to(tmp_path).as_posix() for p in got] == ["a.txt", "b/1.txt", "b/2.txt", "b/skip.md"]
+
+
+def test_linked_folders_are_read_once_and_unreadable_ones_are_an_error(tmp_path):
+    """Folders follow symlinked subfolders (they were dropped) and a link cycle ends, under a
+    folder input and a ** glob alike (the glob walked a cycle without end); a subfolder that
+    cannot be listed is one line (its files were skipped silently)."""
+    import os
+    from gpt.errors import UserError
+    write(tmp_path / "real" / "r.txt", "x")
+    write(tmp_path / "in" / "sub" / "a.txt", "x")
+    os.symlink(tmp_path / "real", tmp_path / "in" / "linked")
+    os.symlink(tmp_path / "in", tmp_path / "in" / "sub" / "up")  # a cycle
+    for inputs in ([tmp_path / "in"], [str(tmp_path / "in" / "**" / "*.txt")]):
+        got = resolve_inputs(inputs)
+        assert [p.relative_to(tmp_path / "in").as_posix() for p in got] == ["linked/r.txt", "sub/a.txt"]
+    if os.geteuid() != 0:  # root reads any folder
+        (tmp_path / "in" / "sub").chmod(0)
+        try:
+            with pytest.raises(UserError, match="cannot read the folder .*sub.* \\(Permission denied\\)"):
+                resolve_inputs([tmp_path / "in"])
+        finally:
+            (tmp_path / "in" / "sub").chmod(0o755)
 
 
 # ----- prepare: bad input, atomicity
