@@ -265,6 +265,9 @@ def _iter_stream_pieces(f, path: Path, errors: str, cut: int | None, hasher,
         buf = carry + block
         if not buf:
             return
+        if offset == 0 and buf.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+            raise UserError(f"{str(path)!r} is UTF-16 text (it starts with UTF-16's byte-order mark); "
+                            f"convert it to UTF-8, e.g. iconv -f UTF-16 -t UTF-8")
         nul = block.find(b"\x00")
         if nul >= 0:
             at = offset + len(carry) + nul
@@ -283,6 +286,8 @@ def _iter_stream_pieces(f, path: Path, errors: str, cut: int | None, hasher,
             raise UserError(f"{str(path)!r} is not valid UTF-8 (byte 0x{piece[e.start]:02x} at offset "
                             f"{offset + e.start}); convert it to UTF-8 or pass --errors=replace to "
                             f"substitute U+FFFD for bad bytes") from None
+        if offset == 0 and text.startswith("\ufeff"):  # an editor's UTF-8 byte-order mark: not text
+            text = text[1:]
         if text:
             yield offset, offset + n, text
         offset += n

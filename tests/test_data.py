@@ -482,6 +482,16 @@ def test_a_byte_order_mark_opens_a_jsonl_file(tmp_path):
     src.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps({"text": d}) + "\n" for d in ("one", "two")).encode())
     prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0)
     assert all_tokens(tmp_path / "out") == want_gpt2(["one", "two"])
+    # a text file's mark is dropped too (it opened the document as U+FEFF, a char of its own);
+    # UTF-16's is named, where the file was called binary for its NUL bytes
+    import gzip
+    write(tmp_path / "t.txt", b"\xef\xbb\xbfthree")
+    write(tmp_path / "t.txt.gz", gzip.compress(b"\xef\xbb\xbffour"))
+    meta = prepare([tmp_path / "t.txt", tmp_path / "t.txt.gz"], "char", tmp_path / "txt", val_fraction=0.0)
+    assert meta["tokenizer"]["chars"] == "".join(sorted(set("threefour")))
+    write(tmp_path / "u.txt", "five".encode("utf-16"))
+    with pytest.raises(UserError, match="u.txt' is UTF-16 text .* convert it to UTF-8"):
+        prepare([tmp_path / "u.txt"], "char", tmp_path / "u")
 
 
 def test_small_gzip_files_split_by_their_text(tmp_path):
