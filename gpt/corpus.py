@@ -39,6 +39,7 @@ Choices, and why:
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import functools
 import glob
 import gzip
@@ -46,11 +47,12 @@ import io
 import json
 import os
 import re
+import sys
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence, Union
+from typing import Callable, Iterator, Sequence, Union
 
 from gpt.errors import UserError
 
@@ -123,18 +125,39 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike], include: Include = DEFAU
 
 def _folder_files(folder: Path, include: Include) -> list[Path]:
     """Files under `folder` matching any `include` pattern (as rglob matches it), sorted."""
+    matches = _include_matcher(include)
+    return sorted(f for f in _walk(folder) if matches(f.relative_to(folder)) and f.is_file())
+
+
+def _include_matcher(include: Include) -> Callable[[Path], bool]:
+    """Whether a path relative to a folder matches a pattern as `Path.rglob(pattern)` finds it: a
+    pattern without "/" by the file's name (one regex for all of them), others part by part."""
     patterns = include_patterns(include)
-    return sorted(f for f in _walk(folder)
-                  if f.is_file() and any(f.relative_to(folder).match(p) for p in patterns))
+    names = [fnmatch.translate(p) for p in patterns if "/" not in p]
+    name_re = re.compile("|".join(names)) if names else None
+    nested = [["**", *p.split("/")] for p in patterns if "/" in p]
+    return lambda rel: bool(name_re and name_re.match(rel.name)) or any(_match_parts(n, rel.parts)
+                                                                        for n in nested)
+
+
+def _match_parts(pattern: Sequence[str], parts: Sequence[str]) -> bool:
+    """Whether path `parts` match glob `pattern` parts: `**` any number of parts (none too), any
+    other one part, by fnmatch's rules (case-sensitive, as glob is on Linux)."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_match_parts(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _match_parts(pattern[1:], parts[1:])
 
 
 def _walk(folder: Path) -> Iterator[Path]:
-    """Every path under `folder`, folders included: hidden files and folders skipped (.git, editor
-    backups, prepare's own staging dirs), symlinked folders followed, each folder once (a link
-    cycle ends). A folder that cannot be listed is an error: its files were dropped silently."""
+    """Every path under `folder`, folders included, in sorted order: hidden files and folders
+    skipped (.git, editor backups, prepare's own staging dirs), symlinked folders followed, each
+    folder once (a link cycle ends). A folder that cannot be listed (lost+found on a disk's root)
+    is left out with a warning: its files were left out silently."""
     def failed(e: OSError):
-        raise UserError(f"cannot read the folder {e.filename!r} ({e.strerror}); make it readable, or "
-                        f"leave it out of the inputs")
+        print(f"warning: cannot read the folder {e.filename} ({e.strerror}); its files are left out",
+              file=sys.stderr)
     seen: set[tuple[int, int]] = set()
     for root, dirs, names in os.walk(folder, followlinks=True, onerror=failed):
         st = os.stat(root)
@@ -142,49 +165,24 @@ def _walk(folder: Path) -> Iterator[Path]:
             dirs[:] = []
             continue
         seen.add((st.st_dev, st.st_ino))
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        yield from (Path(root) / n for n in [*dirs, *names] if not n.startswith("."))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        yield from (Path(root) / n for n in [*dirs, *sorted(names)] if not n.startswith("."))
 
 
 def _glob(pattern: str) -> list[Path]:
-    """glob.glob's matches, sorted; a `**` pattern's by `_walk` from the folder before its first
-    wildcard (glob followed a symlink cycle under `**` without end)."""
+    """glob.glob's matches, sorted; a `**` pattern's found by `_walk` from the folder before its
+    first wildcard (glob followed a symlink cycle under `**` without end); a pattern ending in
+    "/" matches folders only, as glob's does."""
     if "**" not in pattern:
         return sorted(map(Path, glob.glob(pattern)))
     parts = Path(pattern).parts
     k = next(i for i, part in enumerate(parts) if glob.has_magic(part))
-    base, rest = Path(*parts[:k]) if k else Path("."), "/".join(parts[k:])
-    regex = re.compile(_glob_regex(rest))
-    return sorted(p for p in _walk(base) if regex.fullmatch(p.relative_to(base).as_posix())) \
-        if base.is_dir() else []
-
-
-def _glob_regex(pattern: str) -> str:
-    """A glob pattern of '/'-separated parts as a regex: `**` any number of folders, `*` and `?`
-    within one name, [...] a class; names starting with "." are skipped by `_walk` already."""
-    out, parts = [], pattern.split("/")
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        if part == "**":
-            out.append(".*" if last else "(?:[^/]+/)*")
-            continue
-        j, piece = 0, ""
-        while j < len(part):
-            c = part[j]
-            end = part.find("]", j + 2) if c == "[" else -1
-            if c == "*":
-                piece += "[^/]*"
-            elif c == "?":
-                piece += "[^/]"
-            elif end != -1:
-                body = part[j + 1:end]
-                piece += "[" + ("^" + re.escape(body[1:]) if body.startswith("!") else re.escape(body)) + "]"
-                j = end
-            else:
-                piece += re.escape(c)
-            j += 1
-        out.append(piece + ("" if last else "/"))
-    return "".join(out)
+    base = Path(*parts[:k]) if k else Path(".")
+    if not base.is_dir():
+        return []
+    folders_only = pattern.endswith(("/", os.sep))
+    found = (p for p in [base, *_walk(base)] if _match_parts(parts[k:], p.relative_to(base).parts))
+    return sorted(p for p in found if not folders_only or p.is_dir())
 
 
 def file_format(path: Path) -> str:
