@@ -105,22 +105,59 @@ def list_steps(out_dir: str | Path) -> list[int]:
                   if p.is_dir() and p.name.isascii() and p.name.isdigit())  # int("²") fails
 
 
+NO_VAL_LOSS = 1e30  # a step saved without an evaluation: never the best
+
+
+def _val_loss_in(path: Path) -> float | None:
+    """The finite `val_loss` number of the JSON object in `path`, else None."""
+    import json
+    import math
+    try:
+        v = json.loads(path.read_text()).get("val_loss")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    return float(v) if number and math.isfinite(v) else None
+
+
+def _metrics_of_every_step(d: Path) -> None:
+    """Give every step a readable <step>/metrics/metrics, from its own meta's val loss: steps
+    saved by earlier versions had none (they were never the best, and kept for good), and Orbax
+    raised a traceback on a damaged one. Atomic and the same on every process of a job."""
+    import json
+
+    from gpt.tokenizer import atomic_write_bytes
+    for s in list_steps(d.parent):
+        path = d / str(s) / "metrics" / "metrics"
+        if _val_loss_in(path) is not None:
+            continue
+        loss = _val_loss_in(d / str(s) / "meta" / "metadata")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            atomic_write_bytes(path, json.dumps({"val_loss": NO_VAL_LOSS if loss is None else loss}).encode())
+        except OSError:
+            pass  # an unwritable step: Orbax reports it as it may
+
+
 class Checkpointer:
     def __init__(self, out_dir: str | Path, keep: int = 3, *, read_only: bool = False,
                  async_save: bool = True):
         self.dir = checkpoint_dir(out_dir)
-        # The last `keep` steps and the best by val loss. Orbax writes a step's metrics to disk only
-        # with a best_fn, and a restarted manager that finds none had deleted the best step at the
-        # first save after a resume. Steps saved without them (by earlier versions) are kept.
+        # The last `keep` steps and the best by val loss. Orbax writes a step's val loss to disk
+        # (<step>/metrics) only with a best_fn, and a restarted manager that found none deleted the
+        # best step at its first save after a resume. A reader deletes nothing: it reads no metrics.
         policy = pp.AnyPreservationPolicy([
             pp.LatestN(n=keep),
             pp.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1,
-                     keep_checkpoints_without_metrics=True),
+                     keep_checkpoints_without_metrics=False),
         ])
+        if not read_only:
+            _metrics_of_every_step(self.dir)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=policy, create=not read_only, read_only=read_only,
             enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
-            best_fn=lambda m: m["val_loss"], best_mode="min")
+            best_fn=None if read_only else (lambda m: m["val_loss"]), best_mode="min",
+            lightweight_initialize=read_only)
         self.read_only = read_only
         _quiet_abandoned_reads()  # a failed save or restore leaves Orbax reads/writes that complain
         self._pending: int | None = None  # the step whose asynchronous save may still be running
@@ -137,7 +174,7 @@ class Checkpointer:
              val_loss: float | None) -> None:
         """Start an asynchronous save (the previous one is finished first, and its error raised)."""
         self._finish()
-        metrics = {"val_loss": float(val_loss)} if val_loss is not None else {"val_loss": 1e30}
+        metrics = {"val_loss": float(val_loss) if val_loss is not None else NO_VAL_LOSS}
         args = ocp.args.Composite(params=ocp.args.StandardSave(params),
                                   opt_state=ocp.args.StandardSave(opt_state),
                                   meta=ocp.args.JsonSave(meta))

@@ -61,6 +61,23 @@ def test_the_best_survives_a_resume(tmp_path):
     assert ckpt.list_steps(tmp_path) == [5, 6]
 
 
+def test_steps_without_a_readable_val_loss_file_take_their_metas(tmp_path):
+    """Orbax's <step>/metrics: steps saved by earlier versions have none (they were never the best
+    and were kept for good, past --keep_checkpoints), and a damaged one raised a traceback in
+    every command that opened the run. Each step takes the val loss its meta recorded."""
+    c = ckpt.Checkpointer(tmp_path, keep=1, async_save=False)
+    for step, loss in {1: 3.0, 2: 1.0, 3: 2.0}.items():
+        c.save(step, PARAMS, OPT, {**meta(step), "val_loss": loss}, val_loss=loss)
+    c.close()
+    assert ckpt.list_steps(tmp_path) == [2, 3]
+    shutil.rmtree(ckpt.checkpoint_dir(tmp_path) / "3" / "metrics")  # as an earlier version saved it
+    (ckpt.checkpoint_dir(tmp_path) / "2" / "metrics" / "metrics").write_text("{torn")
+    step, _, _, _ = ckpt.Checkpointer(tmp_path, read_only=True).restore(abstract(PARAMS))
+    assert step == 3  # a reader reads no metrics
+    save_steps(tmp_path, {4: 5.0, 5: 6.0}, keep=1)
+    assert ckpt.list_steps(tmp_path) == [2, 5]  # 2 is still the best: its meta says 1.0
+
+
 def test_damaged_newest_falls_back_and_is_moved_aside(tmp_path, capsys):
     save_steps(tmp_path, {1: 2.0, 2: 1.5})
     shutil.rmtree(ckpt.checkpoint_dir(tmp_path) / "2" / "params")
