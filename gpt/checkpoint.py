@@ -383,9 +383,10 @@ def describe_missing(out_dir: str | Path) -> str:
         names = sorted(p.name for p in out.iterdir())[:8]
         there = f"it holds: {', '.join(names)}" if names else "it is empty"
     if (out / ASIDE).is_dir():  # settle_aside puts it back when train.py next starts there
-        return (f"no checkpoint found in {out}/checkpoints: an --overwrite run stopped before its first "
-                f"save, and the run it replaced is kept in {out / ASIDE}; `python train.py "
-                f"--out_dir={out} --init_from=resume` puts it back and resumes it")
+        return (f"no checkpoint found in {out}/checkpoints: an --overwrite run has not saved yet (it "
+                f"stopped, or is still running), and the run it replaced is kept in {out / ASIDE}; once "
+                f"that run has ended, `python train.py --out_dir={out} --init_from=resume` puts it back "
+                f"and resumes it")
     return (f"no checkpoint found in {out}/checkpoints ({there}); train one with "
             f"`python train.py --out_dir={out}` or pass --out_dir")
 

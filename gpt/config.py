@@ -409,9 +409,12 @@ def build(classes: Sequence[type], argv: Sequence[str], default_preset: str | No
     for k, v in pairs:
         if k == "config":
             for fk, fv in read_config_file(v).items():
-                if fk in ("preset", "config"):
+                if fk == "config" or (fk == "preset" and presettable):
                     raise UserError(f"config file {v} sets {fk}, which is a command-line flag: pass --{fk}=... "
                                     f"beside --config (a file holds the settings themselves)")
+                if fk == "preset":
+                    raise UserError(f"config file {v} sets preset, which sets none of this command's "
+                                    f"settings; leave it out")
                 if fk not in types:
                     raise _unknown_key(fk, valid)
                 values[fk] = parse_value(fk, fv, types[fk], seps.get(fk))
@@ -684,7 +687,8 @@ def json_fields(cls: type, d: Any) -> dict[str, Any]:
         if typing.get_origin(typ) is list:
             ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
         if not ok:
-            raise UserError(f"the checkpoint's {cls.__name__} has {name}={v!r}, not {getattr(typ, '__name__', typ)}; "
+            want = "a finite number" if typ is float and number else getattr(typ, '__name__', typ)
+            raise UserError(f"the checkpoint's {cls.__name__} has {name}={v!r}, not {want}; "
                             f"the checkpoint metadata was edited or is damaged")
         out[name] = float(v) if typ is float else v
     return out

@@ -104,14 +104,12 @@ def _int_getter(hf: dict[str, Any], where: str):
 def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """Our ModelConfig from a Hugging Face config dict; anything we cannot run is a UserError."""
     model_type = hf.get("model_type")
-    if not isinstance(model_type, str):
-        raise UserError(f"{where}: model_type={model_type!r} is not a model type's name (gpt2, "
-                        f"{', '.join(llama.ARCHITECTURES)})")
     get_int = _int_getter(hf, where)
-    if model_type in llama.ARCHITECTURES:
+    if isinstance(model_type, str) and model_type in llama.ARCHITECTURES:
         return llama.config_from_hf(hf, where, get_int)
     if model_type != "gpt2":
-        arch = ", ".join(hf.get("architectures") or []) or "unknown architecture"
+        names = hf.get("architectures") if isinstance(hf.get("architectures"), list) else []
+        arch = ", ".join(map(str, names)) or "unknown architecture"
         raise UserError(f"{where} describes model_type {model_type!r} ({arch}), which is not "
                         f"supported; supported: gpt2, {', '.join(llama.ARCHITECTURES)}")
     n_embd, n_layer, n_head = get_int("n_embd"), get_int("n_layer"), get_int("n_head")

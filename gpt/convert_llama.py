@@ -85,13 +85,24 @@ def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
+def _qwen_slides(hf: dict[str, Any]) -> bool:
+    """Whether a Qwen config's window applies to any layer: with use_sliding_window, transformers
+    slides the layers from max_window_layers on (default 28), or those its layer_types name."""
+    if not hf.get("use_sliding_window"):
+        return False
+    if isinstance(hf.get("layer_types"), list):
+        return "sliding_attention" in hf["layer_types"]
+    layers, full = hf.get("num_hidden_layers"), hf.get("max_window_layers", 28)
+    return not (isinstance(layers, int) and isinstance(full, int) and layers <= full)
+
+
 def _check_unsupported(hf: dict[str, Any], model_type: str, where: str) -> None:
     if hf.get("hidden_act", "silu") != "silu":
         raise UserError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     # transformers' default where the key is left out (Mistral's, and Qwen's with use_sliding_window)
     window, context = hf.get("sliding_window", DEFAULT_WINDOW), hf.get("max_position_embeddings")
     covers = isinstance(window, int) and isinstance(context, int) and window >= context  # full attention
-    if window is not None and (model_type == "mistral" or hf.get("use_sliding_window")) and not covers:
+    if window is not None and (model_type == "mistral" or _qwen_slides(hf)) and not covers:
         raise UserError(f"{where}: sliding-window attention (sliding_window={window}, shorter than "
                         f"max_position_embeddings={context}) is not supported; set sliding_window to "
                         f"null for full attention")

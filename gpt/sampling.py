@@ -236,7 +236,7 @@ def generate(model: GPT, prompt_BP: jax.Array, key: jax.Array, s: SamplingSettin
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[jax.Array, jax.Array]:
     """Rows of different lengths -> ([B, P] left-padded ids, [B] index of each row's first token)."""
-    if not prompts or not all(len(p) for p in prompts):
+    if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
         raise UserError("a prompt is empty (or there are none); give each row at least one token")
     P = max(len(p) for p in prompts)
     rows = [[pad_id] * (P - len(p)) + list(p) for p in prompts]

@@ -114,6 +114,13 @@ def _write_config(path: Path, **kw) -> Path:
     return path
 
 
+def test_a_qwen_window_that_no_layer_uses_is_full_attention(tmp_path):
+    """transformers slides a Qwen model's layers from max_window_layers (default 28) on: with two
+    layers, use_sliding_window and a short window change nothing, and the model converts."""
+    d = _write_config(tmp_path / "m", model_type="qwen2", use_sliding_window=True, sliding_window=8)
+    assert convert.config_from_hf(json.loads((d / "config.json").read_text())).n_layer == COMMON["num_hidden_layers"]
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), r"gemma.*supported.*llama, mistral, qwen2, qwen3"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 8.0}), "rope scaling 'yarn' is not supported"),
@@ -121,14 +128,17 @@ def _write_config(path: Path, **kw) -> Path:
     (dict(rope_parameters={"rope_type": "linear", "factor": 0}), "factor=0 must be a positive number"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor is not supported"),
     (dict(model_type="mistral", sliding_window=32), "sliding_window=32, shorter than max_position_emb"),
-    (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True), "sliding-window attention"),
+    (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True, max_window_layers=1),
+     "sliding-window attention"),  # the layers from max_window_layers on slide (none of 2 at 28)
+    (dict(model_type="qwen2", use_sliding_window=True, max_window_layers=0, max_position_embeddings=8192),
+     "sliding_window=4096"),
     (dict(num_key_value_heads=4), "--n_head=6 must be divisible by --n_kv_head=4"),
     (dict(hidden_size=42, num_attention_heads=6, num_key_value_heads=2), "RoPE needs an even head dimension"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     (dict(attention_bias=True), "attention_bias=true is not supported"),
     # transformers' 4,096-token window where Mistral's config leaves the key out
     (dict(model_type="mistral", max_position_embeddings=8192), "sliding_window=4096, shorter than"),
-    (dict(model_type=["llama"]), r"model_type=\['llama'\] is not a model type's name"),
+    (dict(model_type=["llama"], architectures=[1]), r"model_type \['llama'\] \(1\), which is not supported"),
     (dict(rope_parameters=[1]), r"rope_parameters=\[1\] is not an object"),
     (dict(rms_norm_eps=float("nan")), "rms_norm_eps=nan must be a positive number"),
     (dict(rope_theta=float("inf")), "rope_theta=inf must be a positive number"),
