@@ -572,7 +572,7 @@ def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher, straddle
         tracked = _Tracked(raw, hasher)
         f = gzip.GzipFile(fileobj=tracked, mode="rb") if gzipped else io.BufferedReader(tracked, CHUNK_BYTES)
         with f:
-            offset, first = 0, True
+            offset, first, held = 0, True, None
             for lineno, line in enumerate(f, 1):
                 offset += len(line)
                 if lineno == 1 and line.startswith(codecs.BOM_UTF8):  # an editor's byte-order mark
@@ -581,26 +581,33 @@ def _jsonl_records(path: Path, gzipped: bool, reading: Reading, hasher, straddle
                     continue
                 array, first = first and line.lstrip().startswith(b"["), False
                 pos = offset if not gzipped else size if unzipped is None else offset * size // unzipped
-                try:
-                    obj = json.loads(line.decode("utf-8", reading.errors))
-                except UnicodeDecodeError:
-                    yield pos, f"line {lineno}", None, NOT_UTF8
-                    continue
-                except json.JSONDecodeError as e:
-                    if array:  # the whole file is one value: skipping bad records would skip it all
-                        raise _one_array(path) from None
-                    yield pos, f"line {lineno}", None, f"is not valid JSON ({e.msg} at column {e.colno})"
-                    continue
-                except ValueError:  # Python's limit on int() digits
-                    yield pos, f"line {lineno}", None, "holds a number too long to read (over 4,300 digits)"
-                    continue
-                except RecursionError:
-                    yield pos, f"line {lineno}", None, "is JSON nested too deeply to read"
-                    continue
+                obj, problem = _json_line(line, reading, array, path)
+                if held is not None:  # line 1 was an array of objects, but more lines follow
+                    yield held
+                    held = None
+                text, problem = (None, problem) if problem else _field(obj, reading.text_field)
                 if array and isinstance(obj, list) and obj and all(isinstance(o, dict) for o in obj):
-                    raise _one_array(path)  # on one line: one bad record would have been all of them
-                text, problem = _field(obj, reading.text_field)
+                    held = pos, f"line {lineno}", text, problem  # a file of one array, if alone
+                    continue
                 yield pos, f"line {lineno}", text, problem
+            if held is not None:  # skipping it as one bad record would skip every document
+                raise _one_array(path)
+
+
+def _json_line(line: bytes, reading: Reading, array: bool, path: Path) -> tuple[object, str | None]:
+    """A JSONL line's value, or None and what is wrong with it."""
+    try:
+        return json.loads(line.decode("utf-8", reading.errors)), None
+    except UnicodeDecodeError:
+        return None, NOT_UTF8
+    except json.JSONDecodeError as e:
+        if array:  # the whole file is one value: skipping bad records would skip it all
+            raise _one_array(path) from None
+        return None, f"is not valid JSON ({e.msg} at column {e.colno})"
+    except ValueError:  # Python's limit on int() digits
+        return None, "holds a number too long to read (over 4,300 digits)"
+    except RecursionError:
+        return None, "is JSON nested too deeply to read"
 
 
 def _one_array(path: Path) -> UserError:

@@ -547,7 +547,8 @@ def _meta(tok: Tokenizer, dtype: np.dtype, shards: dict, nbytes: dict, settings:
         "text_field": settings.text_field,
         "skipped_records": skipped,
         "sources": [{"path": str(s.path.resolve()), "format": file_format(s.path), "bytes": s.size,
-                     "sha256": h.hexdigest()} for s, h in zip(sources, hashers)],
+                     "mtime_ns": s.path.stat().st_mtime_ns, "sha256": h.hexdigest()}
+                    for s, h in zip(sources, hashers)],
         "bytes_per_token": _bytes_per_token(splits),
     }
 
@@ -605,15 +606,16 @@ def _store_tokenizer_name(meta: dict) -> str:
 
 def _new_files(files: list[Path], old: dict, out_dir: Path) -> list[Path]:
     """The inputs not already in the store; none is an error. One the store holds (its resolved
-    path) must be as it was prepared, in size and sha256 (read again for that): an edited file
-    went in a second time, or with its size unchanged not at all."""
+    path) must be as it was prepared, in size and sha256 (read again only where its mtime has
+    changed): an edited file went in a second time, or with its size unchanged not at all."""
     have = {str(Path(s["path"]).resolve()): s for s in old["sources"]}
     new = []
     for f in files:
-        src = have.get(str(f.resolve()))
+        src, st = have.get(str(f.resolve())), f.stat()
         if src is None:
             new.append(f)
-        elif f.stat().st_size != src["bytes"] or src.get("sha256") not in (None, _sha256(f)):
+        elif st.st_size != src["bytes"] or (src.get("mtime_ns") != st.st_mtime_ns and "sha256" in src
+                                            and _sha256(f) != src["sha256"]):
             raise UserError(f"{str(f)!r} has changed since it was prepared into {str(out_dir)!r}; prepare "
                             f"the store again without --append, or leave that file out")
     if not new:

@@ -25,17 +25,18 @@ LOGITS_BUDGET = 256 << 20  # bytes of float32 logits a batch of windows may hold
 
 
 def read_documents(paths: Sequence[str], reading, include) -> tuple[list[str], int]:
-    """The inputs' documents and their UTF-8 bytes on disk (decompressed), by `gpt.corpus`."""
+    """The inputs' documents, by `gpt.corpus`, and the UTF-8 bytes of their text (as read: after
+    --errors=replace, without a byte-order mark; the same for every format)."""
     from gpt.corpus import iter_corpus, make_sources, resolve_inputs
     try:
         sources = make_sources(resolve_inputs(paths, include))
         docs: list[list[str]] = []
         n_bytes = 0
-        for _, n, text, first in iter_corpus(sources, reading, sum(s.size for s in sources) + 1):
+        for _, _, text, first in iter_corpus(sources, reading, sum(s.size for s in sources) + 1):
             if first or not docs:
                 docs.append([])
             docs[-1].append(text)
-            n_bytes += n
+            n_bytes += len(text.encode("utf-8"))
     except OSError as e:
         raise UserError(f"cannot read {e.filename or ', '.join(map(str, paths))} ({e.strerror}); check "
                         f"the path and its permissions") from None

@@ -802,6 +802,15 @@ def test_an_append_that_waited_while_the_store_was_replaced_says_so(tmp_path, mo
     assert load_meta(out)["splits"]["train"]["tokens"] > 0
 
 
+def test_a_jsonl_of_array_lines_is_not_one_array(tmp_path):
+    """A first line that is an array of objects is one JSON array only when no line follows (a
+    chat-format JSONL has an array a line: each a bad record, skipped on request)."""
+    chat = [json.dumps([{"role": "user", "content": "hi"}])] * 3 + [json.dumps({"text": "ok"})]
+    src = write(tmp_path / "chat.jsonl", "\n".join(chat) + "\n")
+    meta = prepare([src], "gpt2", tmp_path / "out", val_fraction=0.0, skip_bad_records=True)
+    assert meta["skipped_records"] == 3 and all_tokens(tmp_path / "out") == want_gpt2(["ok"])
+
+
 def test_parquet_text_that_is_not_utf8_is_replaced_on_request(tmp_path):
     """--errors=replace reaches Parquet's string columns too (plain and dictionary-encoded): their
     bytes are decoded by us, as a text file's are."""
