@@ -132,39 +132,47 @@ def _folder_files(folder: Path, include: Include) -> list[Path]:
 def _include_matcher(include: Include) -> Callable[[Path], bool]:
     """Whether a path relative to a folder matches a pattern as `Path.rglob(pattern)` finds it: a
     pattern without "/" by the file's name (one regex for all of them), others part by part."""
-    patterns = include_patterns(include)
-    names = [fnmatch.translate(p) for p in patterns if "/" not in p]
+    split = [[x for x in p.split("/") if x not in ("", ".")] for p in include_patterns(include)]  # ./*.txt
+    names = [fnmatch.translate(parts[0]) for parts in split if len(parts) == 1]
     name_re = re.compile("|".join(names)) if names else None
-    nested = [["**", *p.split("/")] for p in patterns if "/" in p]
+    nested = [["**", *parts] for parts in split if len(parts) > 1]
     return lambda rel: bool(name_re and name_re.match(rel.name)) or any(_match_parts(n, rel.parts)
                                                                         for n in nested)
 
 
 def _match_parts(pattern: Sequence[str], parts: Sequence[str]) -> bool:
     """Whether path `parts` match glob `pattern` parts: `**` any number of parts (none too), any
-    other one part, by fnmatch's rules (case-sensitive, as glob is on Linux)."""
-    if not pattern:
-        return not parts
-    if pattern[0] == "**":
-        return any(_match_parts(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _match_parts(pattern[1:], parts[1:])
+    other one part, by fnmatch's rules (case-sensitive, as glob is on Linux). Memoised on the
+    positions, so that several `**` cost (pattern x path) steps, not a power of the depth."""
+    pattern = [p for i, p in enumerate(pattern) if not (p == "**" and i and pattern[i - 1] == "**")]
+
+    @functools.lru_cache(maxsize=None)
+    def match(i: int, j: int) -> bool:
+        if i == len(pattern):
+            return j == len(parts)
+        if pattern[i] == "**":
+            return match(i + 1, j) or (j < len(parts) and match(i, j + 1))
+        return j < len(parts) and fnmatch.fnmatchcase(parts[j], pattern[i]) and match(i + 1, j + 1)
+    return match(0, 0)
 
 
 def _walk(folder: Path) -> Iterator[Path]:
     """Every path under `folder`, folders included, in sorted order: hidden files and folders
-    skipped (.git, editor backups, prepare's own staging dirs), symlinked folders followed, each
-    folder once (a link cycle ends). A folder that cannot be listed (lost+found on a disk's root)
+    skipped (.git, editor backups, prepare's own staging dirs), symlinked folders followed (a
+    link back to a folder it lies in ends there: a cycle; a folder reached by two names is walked
+    under both, and `resolve_inputs` keeps the first). A folder that cannot be listed (lost+found on a disk's root)
     is left out with a warning: its files were left out silently."""
     def failed(e: OSError):
         print(f"warning: cannot read the folder {e.filename} ({e.strerror}); its files are left out",
               file=sys.stderr)
-    seen: set[tuple[int, int]] = set()
+    above: dict[str, frozenset] = {}  # each folder walked: the folders it lies in, itself too
     for root, dirs, names in os.walk(folder, followlinks=True, onerror=failed):
         st = os.stat(root)
-        if (st.st_dev, st.st_ino) in seen:
+        chain = above.get(os.path.dirname(root), frozenset()) if root != str(folder) else frozenset()
+        if (st.st_dev, st.st_ino) in chain:  # a link back to a folder it lies in: a cycle
             dirs[:] = []
             continue
-        seen.add((st.st_dev, st.st_ino))
+        above[root] = chain | {(st.st_dev, st.st_ino)}
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         yield from (Path(root) / n for n in [*dirs, *sorted(names)] if not n.startswith("."))
 
@@ -181,7 +189,10 @@ def _glob(pattern: str) -> list[Path]:
     if not base.is_dir():
         return []
     folders_only = pattern.endswith(("/", os.sep))
-    found = (p for p in [base, *_walk(base)] if _match_parts(parts[k:], p.relative_to(base).parts))
+    rest = parts[k:]
+    files = [*rest[:-1], "**", "*"] if rest[-1] == "**" else rest  # a last ** takes a part or more
+    found = [p for p in [base, *_walk(base)]
+             if _match_parts(files if not folders_only and p.is_file() else rest, p.relative_to(base).parts)]
     return sorted(p for p in found if not folders_only or p.is_dir())
 
 
@@ -295,10 +306,11 @@ def _iter_stream_pieces(f, path: Path, errors: str, cut: int | None, hasher,
 class Source:
     path: Path
     size: int  # on disk (compressed, for .gz and .parquet): what the train/val split is cut by
+    mtime_ns: int = 0  # as the size, before the file is read (--append compares it)
 
 
 def make_sources(files: list[Path]) -> list[Source]:
-    return [Source(f, f.stat().st_size) for f in files]
+    return [Source(f, st.st_size, st.st_mtime_ns) for f, st in ((f, f.stat()) for f in files)]
 
 
 def val_cut(total_bytes: int, val_fraction: float) -> int:

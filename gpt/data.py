@@ -547,7 +547,7 @@ def _meta(tok: Tokenizer, dtype: np.dtype, shards: dict, nbytes: dict, settings:
         "text_field": settings.text_field,
         "skipped_records": skipped,
         "sources": [{"path": str(s.path.resolve()), "format": file_format(s.path), "bytes": s.size,
-                     "mtime_ns": s.path.stat().st_mtime_ns, "sha256": h.hexdigest()}
+                     "mtime_ns": s.mtime_ns, "sha256": h.hexdigest()}
                     for s, h in zip(sources, hashers)],
         "bytes_per_token": _bytes_per_token(splits),
     }
@@ -618,6 +618,8 @@ def _new_files(files: list[Path], old: dict, out_dir: Path) -> list[Path]:
                                             and _sha256(f) != src["sha256"]):
             raise UserError(f"{str(f)!r} has changed since it was prepared into {str(out_dir)!r}; prepare "
                             f"the store again without --append, or leave that file out")
+        else:
+            src["mtime_ns"] = st.st_mtime_ns  # the same content: not read again next time
     if not new:
         raise UserError(f"every input is already in {str(out_dir)!r}; pass new files to --append")
     return new

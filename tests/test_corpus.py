@@ -79,6 +79,9 @@ def test_linked_folders_are_read_once_and_unreadable_ones_are_named(tmp_path, ca
     for inputs in ([tmp_path / "in"], [str(tmp_path / "in" / "**" / "*.txt")]):
         got = resolve_inputs(inputs)
         assert [p.relative_to(tmp_path / "in").as_posix() for p in got] == ["alias/a.txt", "linked/r.txt"]
+    # a pattern naming the real folder finds it, though a link to it sorts first
+    assert [p.name for p in resolve_inputs([str(tmp_path / "in" / "**" / "sub" / "*.txt")])] == ["a.txt"]
+    assert [p.name for p in resolve_inputs([tmp_path / "in"], include="sub/*.txt")] == ["a.txt"]
     if os.geteuid() != 0:  # root reads any folder
         (tmp_path / "in" / "sub").chmod(0)
         try:
@@ -98,12 +101,12 @@ def test_globs_and_include_patterns_match_as_glob_and_rglob_do(tmp_path):
         write(tmp_path / name, "x")
     d = str(tmp_path / "d")
     for pattern in ("**/shard_[0-9].txt", "**/shard_[!0-9].txt", "**/[]]x.txt", "**/[!]]x.txt", "**/*.txt",
-                    "**/sub/**/*.txt", "**/sub/*.md"):
+                    "**/sub/**/*.txt", "**/sub/*.md", "*/**", "**/sub/**"):  # a last ** takes a folder's files
         want = sorted(p for p in glob_lib.glob(f"{d}/{pattern}", recursive=True) if Path(p).is_file())
-        assert [str(p) for p in resolve_inputs([f"{d}/{pattern}"])] == want, pattern
+        assert sorted(str(p) for p in resolve_inputs([f"{d}/{pattern}"])) == want, pattern
     got = resolve_inputs([f"{d}/**/"])  # folders, read with the default --include
     assert "b.md" not in {p.name for p in got} and {p.name for p in got} >= {"a.txt", "c.txt", "e.txt"}
-    for include in ("**/*.txt", "sub/**/*.txt", "sub/*.md", "shard_?.txt"):
+    for include in ("**/*.txt", "sub/**/*.txt", "sub/*.md", "shard_?.txt", "./*.md", "sub//*.md"):
         want = sorted(p for p in Path(d).rglob(include) if p.is_file())
         assert resolve_inputs([Path(d)], include=include) == want, include
 
