@@ -160,14 +160,19 @@ def _walk(folder: Path) -> Iterator[Path]:
     """Every path under `folder`, folders included, in sorted order: hidden files and folders
     skipped (.git, editor backups, prepare's own staging dirs), symlinked folders followed (a
     link back to a folder it lies in ends there: a cycle; a folder reached by two names is walked
-    under both, and `resolve_inputs` keeps the first). A folder that cannot be listed (lost+found on a disk's root)
-    is left out with a warning: its files were left out silently."""
+    under both, and `resolve_inputs` keeps the first). A folder that cannot be listed (lost+found
+    on a disk's root) is left out with a warning: its files were left out silently."""
     def failed(e: OSError):
         print(f"warning: cannot read the folder {e.filename} ({e.strerror}); its files are left out",
               file=sys.stderr)
     above: dict[str, frozenset] = {}  # each folder walked: the folders it lies in, itself too
     for root, dirs, names in os.walk(folder, followlinks=True, onerror=failed):
-        st = os.stat(root)
+        try:
+            st = os.stat(root)
+        except OSError as e:  # removed while walked
+            failed(e)
+            dirs[:] = []
+            continue
         chain = above.get(os.path.dirname(root), frozenset()) if root != str(folder) else frozenset()
         if (st.st_dev, st.st_ino) in chain:  # a link back to a folder it lies in: a cycle
             dirs[:] = []
@@ -191,8 +196,8 @@ def _glob(pattern: str) -> list[Path]:
     folders_only = pattern.endswith(("/", os.sep))
     rest = parts[k:]
     files = [*rest[:-1], "**", "*"] if rest[-1] == "**" else rest  # a last ** takes a part or more
-    found = [p for p in [base, *_walk(base)]
-             if _match_parts(files if not folders_only and p.is_file() else rest, p.relative_to(base).parts)]
+    pattern_of = lambda p: files if not folders_only and p.is_file() else rest  # noqa: E731
+    found = [p for p in [base, *_walk(base)] if _match_parts(pattern_of(p), p.relative_to(base).parts)]
     return sorted(p for p in found if not folders_only or p.is_dir())
 
 
@@ -645,7 +650,8 @@ def _parquet_records(path: Path, reading: Reading, hasher) -> Records:
             for value in _column_values(batch.column(0), reading.errors):
                 row += 1
                 ok = isinstance(value, str)
-                problem = NOT_UTF8 if value is _NOT_UTF8 else f"has {_kind(value)} in column {field!r}, not a string"
+                problem = NOT_UTF8 if value is _NOT_UTF8 else \
+                    f"has {_kind(value)} in column {field!r}, not a string"
                 yield size * row // total, f"row {row}", value if ok else None, None if ok else problem
     except arrow_error as e:
         raise UserError(f"{str(path)!r} is not a readable Parquet file ({e}); check that it is Parquet "

@@ -604,8 +604,8 @@ def restore_state(checkpointer: ckpt.Checkpointer, state: State, shards: dict[st
     best = meta.get("best_val_loss")
     number = isinstance(best, (int, float)) and not isinstance(best, bool)
     if best is not None and not (number and math.isfinite(best)):
-        raise UserError(f"the checkpoint of step {step} records best_val_loss={best!r}, not a finite number; its "
-                        f"metadata was edited or is damaged")
+        raise UserError(f"the checkpoint of step {step} records best_val_loss={best!r}, not a finite "
+                        f"number; its metadata was edited or is damaged")
     return State(params, opt_state, step, best, state.frozen)
 
 
