@@ -35,7 +35,8 @@ def read_json_object(path, what: str) -> dict:
     line naming the file; `what` says what it should be."""
     import json
     try:
-        data = json.loads(open(path, encoding="utf-8").read())
+        with open(path, encoding="utf-8") as f:
+            data = json.loads(f.read())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # deep nesting: the last
         raise UserError(f"{path} is not valid JSON ({' '.join(str(e).split())}); it should be {what}") from None
     if not isinstance(data, dict):
