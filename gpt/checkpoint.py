@@ -26,7 +26,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
-from gpt.errors import UserError
+from gpt.errors import UserError, finite_number
 
 FORMAT_VERSION = 1
 TMP_MARKER = ".orbax-checkpoint-tmp"  # Orbax's temporary step directories contain this
@@ -111,13 +111,11 @@ NO_VAL_LOSS = 1e30  # a step saved without an evaluation: never the best
 def _val_loss_in(path: Path) -> float | None:
     """The finite `val_loss` number of the JSON object in `path`, else None."""
     import json
-    import math
     try:
         v = json.loads(path.read_text()).get("val_loss")
     except (OSError, ValueError, RecursionError, AttributeError):
         return None
-    number = isinstance(v, (int, float)) and not isinstance(v, bool)
-    return float(v) if number and math.isfinite(v) else None
+    return float(v) if finite_number(v) else None
 
 
 def _metrics_of_every_step(d: Path) -> None:
@@ -422,8 +420,8 @@ def _run_files(out: Path) -> list[Path]:
 def set_aside(out_dir: str | Path) -> Path | None:
     """--overwrite: move the old checkpoints, and the logs and tokenizer files that go with them,
     aside instead of deleting them; `settle_aside` deletes them once the new run has a checkpoint,
-    or puts them back if it has none. A leftover from a run that died first is put back (or dropped if that
-    run did save)."""
+    or puts them back if it has none. A leftover from a run that died first is put back (or
+    dropped if that run did save)."""
     out, d = Path(out_dir).absolute(), checkpoint_dir(out_dir)
     aside = out / ASIDE
     settle_aside(out, aside)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from gpt.errors import UserError
+from gpt.errors import UserError, finite_number
 
 VOCAB_MULTIPLE = 128  # the embedding/LM head is padded to this multiple for fast matmuls
 
@@ -681,13 +681,12 @@ def json_fields(cls: type, d: Any) -> dict[str, Any]:
         if name not in d:
             continue
         v = d[name]
-        number = isinstance(v, (int, float)) and not isinstance(v, bool)
         ok = {int: isinstance(v, int) and not isinstance(v, bool), bool: isinstance(v, bool), str: isinstance(v, str),
-              float: number and math.isfinite(v)}.get(typ, True)
+              float: finite_number(v)}.get(typ, True)
         if typing.get_origin(typ) is list:
             ok = isinstance(v, list) and all(isinstance(x, str) for x in v)
         if not ok:
-            want = "a finite number" if typ is float and number else getattr(typ, '__name__', typ)
+            want = "a finite number" if typ is float else getattr(typ, '__name__', typ)
             raise UserError(f"the checkpoint's {cls.__name__} has {name}={v!r}, not {want}; "
                             f"the checkpoint metadata was edited or is damaged")
         out[name] = float(v) if typ is float else v

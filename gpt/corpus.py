@@ -657,7 +657,7 @@ def _parquet_records(path: Path, reading: Reading, hasher) -> Records:
         raise UserError(f"{str(path)!r} is not a readable Parquet file ({e}); check that it is Parquet "
                         f"and complete, or leave it out") from None
     if hasher is not None:
-        _hash_file(path, hasher)
+        hash_file(path, hasher)
 
 
 _NOT_UTF8 = object()  # a string column's value whose bytes are not UTF-8
@@ -694,8 +694,9 @@ def _pyarrow():
     return pq, pyarrow.ArrowException
 
 
-def _hash_file(path: Path, hasher) -> None:
-    """Feed a whole file to `hasher` (Parquet is read by pyarrow, out of order)."""
+def hash_file(path: Path, hasher):
+    """Feed a whole file to `hasher`, and return it (Parquet is read by pyarrow, out of order)."""
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(CHUNK_BYTES), b""):
             hasher.update(block)
+    return hasher

@@ -43,7 +43,7 @@ import numpy as np
 
 from gpt import store
 from gpt.corpus import (CHUNK_BYTES, DEFAULT_INCLUDE, Include, Pieces, Reading, Source, SplitRule, make_sources,
-                        file_format, include_patterns, iter_corpus, resolve_inputs, split_rule)
+                        file_format, hash_file, include_patterns, iter_corpus, resolve_inputs, split_rule)
 from gpt.errors import ArgParser, UserError, run_main
 from gpt.tokenizer import (Tokenizer, atomic_write_bytes, build_tokenizer, identity, load_tokenizer,
                            parse_name)
@@ -221,10 +221,9 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
                         val_documents, include_patterns(include), errors, text_field, bool(skip_bad_records),
                         shard_tokens, _append_id(old))
     _check_settings(settings, backend, appending=old is not None)
-    _check_out_dir_outside(inputs, out_dir)
     workers = _check_workers(workers)
     files = resolve_inputs(inputs, settings.include)
-    _check_no_input_inside(files, out_dir)
+    _check_out_dir_outside(inputs, files, out_dir)
     if old is not None:
         files = _new_files(files, old, out_dir)
     reading = Reading(errors, text_field, bool(skip_bad_records))
@@ -342,20 +341,15 @@ def _check_workers(workers: int | None) -> int:
     return workers
 
 
-def _check_out_dir_outside(inputs, out_dir: Path) -> None:
-    """An out_dir inside an input folder would read its own output next time: refused."""
+def _check_out_dir_outside(inputs, files: list[Path], out_dir: Path) -> None:
+    """An out_dir inside an input folder, or a glob's files inside out_dir (--input 'corpus/**'
+    with out_dir corpus/out), would read the store as its own input next time: refused."""
     out = out_dir.resolve()
     for raw in [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs:
         p = Path(raw)
         if p.is_dir() and (out == p.resolve() or p.resolve() in out.parents):
             raise UserError(f"--out_dir {str(out_dir)!r} is inside the input folder {str(p)!r}; choose an "
                             f"out_dir outside the inputs")
-
-
-def _check_no_input_inside(files: list[Path], out_dir: Path) -> None:
-    """A glob that reaches into out_dir (--input 'corpus/**' with out_dir corpus/out) would read
-    the store as its own input."""
-    out = out_dir.resolve()
     inside = [f for f in files if out in f.resolve().parents]
     if inside:
         raise UserError(f"the input {str(inside[0])!r} lies inside --out_dir {str(out_dir)!r}; choose an "
@@ -615,7 +609,7 @@ def _new_files(files: list[Path], old: dict, out_dir: Path) -> list[Path]:
         if src is None:
             new.append(f)
         elif st.st_size != src["bytes"] or (src.get("mtime_ns") != st.st_mtime_ns and "sha256" in src
-                                            and _sha256(f) != src["sha256"]):
+                                            and hash_file(f, hashlib.sha256()).hexdigest() != src["sha256"]):
             raise UserError(f"{str(f)!r} has changed since it was prepared into {str(out_dir)!r}; prepare "
                             f"the store again without --append, or leave that file out")
         else:
@@ -623,14 +617,6 @@ def _new_files(files: list[Path], old: dict, out_dir: Path) -> list[Path]:
     if not new:
         raise UserError(f"every input is already in {str(out_dir)!r}; pass new files to --append")
     return new
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK_BYTES), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # What meta.json may hold (format versions 1 and 2).

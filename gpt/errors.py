@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import re
 import sys
@@ -28,6 +29,12 @@ def quiet_library_logs() -> None:
         absl_logging.set_verbosity(absl_logging.ERROR)
     except ImportError:
         pass
+
+
+def finite_number(v) -> bool:
+    """Whether a value read back from a file a user may edit is a finite number (not a boolean,
+    NaN or infinity): what a float setting or a loss must be."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def read_json_object(path, what: str) -> dict:

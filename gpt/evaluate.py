@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np

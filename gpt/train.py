@@ -36,7 +36,7 @@ from gpt import metrics as metrics_lib
 from gpt import moe as moe_lib
 from gpt import sharding
 from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, schedule_warnings, to_dict
-from gpt.errors import UserError
+from gpt.errors import UserError, finite_number
 from gpt.model import GPT, abstract_model, flops_per_token, num_params
 from gpt.ops.cross_entropy import cross_entropy  # noqa: F401 - re-exported (the tests use it)
 from gpt.runtime import Runtime, compiler_options, dtype_note, loss_chunks_for, on_mesh, resolve
@@ -602,8 +602,7 @@ def restore_state(checkpointer: ckpt.Checkpointer, state: State, shards: dict[st
     step, params, opt_state, meta = checkpointer.restore(abstract(state.params, shards["params"]),
                                                          abstract(state.opt_state, shards["opt_state"]))
     best = meta.get("best_val_loss")
-    number = isinstance(best, (int, float)) and not isinstance(best, bool)
-    if best is not None and not (number and math.isfinite(best)):
+    if best is not None and not finite_number(best):
         raise UserError(f"the checkpoint of step {step} records best_val_loss={best!r}, not a finite "
                         f"number; its metadata was edited or is damaged")
     return State(params, opt_state, step, best, state.frozen)
