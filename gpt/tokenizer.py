@@ -363,11 +363,10 @@ def load_tokenizer(spec: dict, base_dir: str | Path) -> Tokenizer:
             raise UserError("char tokenizer spec has no 'chars' alphabet; re-run data preparation")
         return CharTokenizer(chars)
     if kind == "bpe":
-        try:
-            n, file, sha = int(spec["n_regular"]), str(spec["file"]), spec.get("sha256")
-        except (KeyError, TypeError, ValueError):
+        n, file, sha = spec.get("n_regular"), spec.get("file"), spec.get("sha256")
+        if not isinstance(n, int) or isinstance(n, bool) or file is None:  # int(): Infinity overflowed
             raise UserError(f"bpe tokenizer spec {spec!r} is incomplete (needs n_regular, file); "
-                            f"re-run data preparation") from None
+                            f"re-run data preparation")
         ranks = load_ranks(inside(base_dir, file), sha)
         if len(ranks) != n or sorted(ranks.values()) != list(range(n)):
             raise UserError(f"tokenizer file {Path(base_dir) / file} has {len(ranks)} tokens, spec says {n}; "
@@ -436,10 +435,20 @@ def fingerprint(tok: Tokenizer, base_dir: str | Path) -> str:
 
 def inside(base_dir: str | Path, name: object) -> Path:
     """base_dir/name for a file name read from metadata, which must stay inside base_dir."""
-    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", "..") \
+            or not _valid_file_name(name):
         raise UserError(f"tokenizer file name {name!r} in the metadata of {base_dir} is not a plain "
                         f"file name; the metadata is damaged, re-create it")
     return Path(base_dir) / name
+
+
+def _valid_file_name(name: str) -> bool:
+    """Whether the filesystem can take `name`: no NUL, encodable, at most 255 bytes (opening such a
+    name raised ValueError or OSError, a traceback, where a missing file is one line)."""
+    try:
+        return "\x00" not in name and len(os.fsencode(name)) <= 255
+    except UnicodeEncodeError:  # a lone surrogate from JSON's \ud800
+        return False
 
 
 def parse_name(name: str) -> tuple[str, int | None]:

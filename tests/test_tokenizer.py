@@ -169,6 +169,20 @@ def test_bpe_reload_from_spec(bpe, tmp_path):
         load_tokenizer({**spec, "sha256": None}, tmp_path)
 
 
+def test_hand_edited_spec_is_one_line(bpe):
+    """A spec read back from metadata with an n_regular JSON allows but no int is (Infinity
+    overflowed int()), or a file name no filesystem takes (NUL, a lone surrogate, over 255
+    bytes: ValueError or OSError on opening it), is a UserError, not a traceback."""
+    tok, _, d = bpe
+    for n in (float("inf"), float("nan"), True, 512.5, "512"):
+        with pytest.raises(UserError, match="is incomplete"):
+            load_tokenizer({**tok.spec, "n_regular": n}, d)
+    for name in ("a\x00b", "\ud800", "x" * 256):
+        for spec in ({**tok.spec, "file": name}, {"kind": "hf", "file": name, "vocab_size": 3}):
+            with pytest.raises(UserError, match="not a plain file name"):
+                load_tokenizer(spec, d)
+
+
 def test_bpe_build_tokenizer(tmp_path):
     tok = build_tokenizer("bpe:300", iter([TRAIN_TEXT[:30_000]]), tmp_path)
     assert tok.vocab_size == 301 and tok.spec["n_regular"] == 300
