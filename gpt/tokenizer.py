@@ -197,13 +197,27 @@ class HFTokenizer(Tokenizer):
         self._files = list(files)
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        return self._run(self.hf.encode, text, add_special_tokens=False).ids
 
     def encode_prompt(self, text: str) -> list[int]:
-        return self.prompt_hf.encode(text, add_special_tokens=bool(self.spec.get("prompt_template"))).ids
+        template = bool(self.spec.get("prompt_template"))
+        return self._run(self.prompt_hf.encode, text, add_special_tokens=template).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        return [e.ids for e in self._run(self.hf.encode_batch, texts, add_special_tokens=False)]
+
+    def _run(self, encode, *args, **kw):
+        """`encode(*args, **kw)`; what `tokenizers` refuses to encode is one line, not a traceback
+        (a tokenizer.json whose unk token is missing from its vocabulary fails on unknown text)."""
+        try:
+            return encode(*args, **kw)
+        except Exception as e:
+            if type(e) is not Exception:  # tokenizers raises plain Exception; anything else is a bug
+                raise
+            first = str(e).splitlines()[0] if str(e) else "no reason given"
+            raise UserError(f"the Hugging Face tokenizer {self.spec.get('file')} cannot encode the text "
+                            f"({first}); its vocabulary lacks what that text needs: use a tokenizer.json "
+                            f"that covers it") from None
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.prompt_hf.decode(list(ids), skip_special_tokens=True)  # as HF prints text

@@ -340,3 +340,19 @@ def test_hf_vocabulary_with_gaps_is_sized_by_its_highest_id(tmp_path):
     assert load_hf_spec(spec, tmp_path / "tok600").vocab_size == 5
     with pytest.raises(UserError, match="has 601 tokens, its spec says 7"):
         load_hf_spec({**spec, "vocab_size": 7}, tmp_path / "tok600")
+
+
+def test_hf_tokenizer_that_cannot_encode_a_text_is_one_line(tmp_path):
+    """A tokenizer.json whose unk token is missing from its vocabulary: `tokenizers` raises a plain
+    Exception on a word it lacks, which was a traceback from data preparation, a prompt or
+    gpt.evaluate; it is a UserError naming the tokenizer and its reason."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    hf = Tokenizer(models.WordLevel({"a": 0, "b": 1, "</s>": 2}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    tok = build_tokenizer(f"hf:{tmp_path}", None, tmp_path / "out")
+    assert tok.encode("a b") == [0, 1]
+    for encode in (tok.encode, tok.encode_prompt, lambda t: tok.encode_batch(["a", t])):
+        with pytest.raises(UserError, match=r"tokenizer.json cannot encode the text \(.*\[UNK\]"):
+            encode("a c")
