@@ -14,7 +14,8 @@ def read_prompt(cfg, tokenizer) -> list[int]:
     text = cfg.prompt
     if cfg.prompt_file:
         try:
-            with open(cfg.prompt_file, encoding="utf-8") as f:
+            # As the corpus is read: line ends kept (CRLF stays CRLF), an editor's byte-order mark dropped.
+            with open(cfg.prompt_file, encoding="utf-8-sig", newline="") as f:
                 text = f.read(MAX_PROMPT_CHARS + 1)  # bounded: /dev/zero or a fifo never ends
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read --prompt_file={cfg.prompt_file}: {e.__class__.__name__}: "

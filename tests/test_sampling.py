@@ -336,6 +336,19 @@ def test_settings_and_prompts_are_checked_in_the_python_api_too():
             left_pad(prompts)
 
 
+def test_a_prompt_file_is_read_as_the_corpus_is(tmp_path):
+    """CRLF and CR line ends in --prompt_file reach the tokenizer unchanged and an editor's UTF-8
+    byte-order mark is dropped, as the corpus reader does: text mode turned line ends into "\n",
+    another prompt than the file's, and the mark was a character a char alphabet refused."""
+    from types import SimpleNamespace
+    from gpt.tokenizer import CharTokenizer
+    from sample import read_prompt
+    (tmp_path / "p.txt").write_bytes(b"\xef\xbb\xbfab\r\nb\ra")
+    tok = CharTokenizer("\n\rab")
+    cfg = SimpleNamespace(prompt="", prompt_file=str(tmp_path / "p.txt"))
+    assert read_prompt(cfg, tok) == tok.encode("ab\r\nb\ra")
+
+
 def test_an_empty_prompt_starts_from_a_newline_or_says_what_to_pass(capsys):
     """A char model's alphabet may lack the newline an empty prompt starts from: one line saying
     to pass --prompt, where the char tokenizer's error named a '\\n' the user never typed."""
