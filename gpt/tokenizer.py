@@ -272,7 +272,11 @@ def load_ranks(path: Path, expected_sha256: str | None) -> dict[bytes, int]:
     if not path.is_file():
         raise UserError(f"tokenizer file {path} is missing; copy it next to the spec that names it "
                         f"or re-run data preparation (python -m gpt.data ...)")
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:  # unreadable (permissions, I/O error): one line, as for a tokenizer.json
+        raise UserError(f"cannot read tokenizer file {path} ({e.strerror or e}); make it readable, "
+                        f"or re-run data preparation") from None
     if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
         raise UserError(f"tokenizer file {path} does not match its recorded sha256 (modified or "
                         f"corrupt); restore the original file or re-run data preparation")

@@ -183,6 +183,18 @@ def test_hand_edited_spec_is_one_line(bpe):
                 load_tokenizer(spec, d)
 
 
+def test_unreadable_ranks_file_is_one_line(bpe, monkeypatch):
+    """A ranks file that exists but cannot be read (no permission, an I/O error) is a UserError, as
+    an unreadable tokenizer.json is; it was an OSError traceback from sample.py and train.py."""
+    tok, _, d = bpe
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied", str(self))
+    monkeypatch.setattr(Path, "read_bytes", unreadable)
+    with pytest.raises(UserError, match="cannot read tokenizer file .*Permission denied"):
+        load_tokenizer(tok.spec, d)
+
+
 def test_bpe_build_tokenizer(tmp_path):
     tok = build_tokenizer("bpe:300", iter([TRAIN_TEXT[:30_000]]), tmp_path)
     assert tok.vocab_size == 301 and tok.spec["n_regular"] == 300
