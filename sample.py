@@ -1,7 +1,6 @@
 """Sample from a trained model: `python sample.py --prompt "ROMEO:" [--key=value ...]`."""
 from __future__ import annotations
 
-import re
 import sys
 from typing import Sequence
 
@@ -70,6 +69,7 @@ def main(argv: Sequence[str]) -> int:
 
     from gpt.checkpoint import load_model
     from gpt.runtime import decoding_dtype, prepare_process
+    from gpt.tokenizer import RowText
     prepare_process()
 
     cfg.dtype = decoding_dtype(cfg.dtype)
@@ -91,7 +91,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"note: {note}", file=sys.stderr)
     sampler = make_sampler(cfg, model, draft, tok)
     state = sampler.start([prompt] * cfg.num_samples, jax.random.key(cfg.seed))
-    decoders = [RowText(tok, prompt) for _ in range(cfg.num_samples)]
+    decoders = [RowText(tok, prompt) for _ in range(cfg.num_samples)]  # each row's text so far
     texts = lambda state: row_texts(sampler, state, prompt, decoders, cfg)
     # an empty prompt starts from the end-of-text token, which is not text to show (HF skips it too)
     shown = "" if prompt == [tok.eot_id] else tok.decode(prompt)
@@ -137,7 +137,7 @@ def make_sampler(cfg, model, draft, tok):
     return SpeculativeSampler(model, draft, settings, cfg.num_draft_tokens)
 
 
-def row_texts(sampler, state, prompt: list[int], decoders: list[RowText], cfg) -> list[tuple[str, bool]]:
+def row_texts(sampler, state, prompt: list[int], decoders: list, cfg) -> list[tuple[str, bool]]:
     """Each row's new text, cut at a stop string or end-of-text, and whether it has ended."""
     out, ends = [], sampler.settings.end_ids
     for row, decoder in zip(sampler.new_tokens(state, [prompt] * cfg.num_samples), decoders):
@@ -146,49 +146,6 @@ def row_texts(sampler, state, prompt: list[int], decoders: list[RowText], cfg) -
         cut = min((text.find(s) for s in cfg.stop if s in text), default=-1)
         out.append((text[:cut], True) if cut >= 0 else (text, ended))
     return out
-
-
-CONTEXT_TOKENS = 8  # decoded before new tokens: decoders change a text's first token or so (a space)
-
-
-class RowText:
-    """The text a row's new tokens add after the prompt, decoded chunk by chunk: the tokens that
-    decoded to whole characters keep their text, and only those after them are decoded again,
-    behind the last CONTEXT_TOKENS tokens before them (`continuation`). Decoding the prompt and
-    the whole row at every chunk made sampling quadratic (50,000 streamed tokens: 8 s of decoding;
-    a 1M-character prompt: 0.2 s a chunk)."""
-
-    def __init__(self, tok, prompt: list[int]):
-        self.tok, self.context = tok, list(prompt[-CONTEXT_TOKENS:])
-        self.done, self.kept = 0, ""  # new tokens whose text is final, and that text
-
-    def text(self, new: list[int]) -> str:
-        """The text of `new`, which extends the tokens given before (sampled tokens stay)."""
-        rest = new[self.done:]
-        text = self.kept + continuation(self.tok, self.context, rest)
-        if not text.endswith("\ufffd") and settled(self.tok, rest):  # final: later tokens keep it
-            self.context = (self.context + rest)[-CONTEXT_TOKENS:]
-            self.done, self.kept = len(new), text
-        return text
-
-
-def settled(tok, ids: list[int]) -> bool:
-    """Whether tokens after `ids` leave the text of `ids` as it is, where it ends in whole
-    characters. A Hugging Face byte-fallback decoder (Llama 2's, Mistral's <0xE4>) takes a run of
-    byte tokens as one, across the tokens it skips (specials, unknown ids), and turns every byte
-    of a run that is not UTF-8 into U+FFFD, those before too: not final until a token of text."""
-    hf = getattr(tok, "prompt_hf", None)
-    if hf is None or not ids:
-        return True
-    byte = re.fullmatch(r"<0x[0-9A-F]{2}>", hf.id_to_token(ids[-1]) or "") is not None
-    return not byte and tok.decode(ids[-1:]) != ""
-
-
-def continuation(tok, prompt: list[int], new: list[int]) -> str:
-    """The text `new` adds after `prompt`, decoded together: tokenizers whose decoder strips a
-    leading space (SentencePiece's) would lose the space between them if decoded apart."""
-    head, whole = tok.decode(prompt), tok.decode(list(prompt) + list(new))
-    return whole[len(head):] if whole.startswith(head) else tok.decode(new)
 
 
 def stream_one(sampler, state, prompt_text: str, texts, stop: list[str]):

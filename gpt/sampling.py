@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gpt.config import check_sampling
@@ -289,12 +290,12 @@ class Sampler:
         on the host: a slice to the current position on the device would be a program of its own
         for every position, compiled anew each chunk (20x the decoding time of a small model)."""
         P = max(len(p) for p in prompts)
-        out = []
         tokens_BN, pos = jax.device_get((state.tokens_BN, state.pos))
-        ends = set(self.settings.end_ids)
-        for row in tokens_BN[:, P:int(pos)].tolist():
-            out.append(row[:next((i + 1 for i, t in enumerate(row) if t in ends), len(row))])
-        return out
+        new_BN = np.asarray(tokens_BN)[:, P:int(pos)]
+        # Found by numpy: a scan of every row in Python, at every chunk, was quadratic in its length.
+        end_BN = np.isin(new_BN, list(self.settings.end_ids))
+        lengths = np.where(end_BN.any(1), end_BN.argmax(1) + 1, new_BN.shape[1])
+        return [row[:n].tolist() for row, n in zip(new_BN, lengths)]
 
 
 def with_decode_kernels(model: GPT, rows: int, speculative: bool, backend: str) -> GPT:

@@ -25,6 +25,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import secrets
 import sys
 from functools import lru_cache
@@ -91,6 +92,11 @@ class Tokenizer:
     def files(self) -> list[str]:
         """Names (relative to base_dir) of the files the spec refers to; copy them with it."""
         return []
+
+    def settled(self, ids: list[int]) -> bool:
+        """Whether tokens after `ids` leave the text of `ids` as it is, where that text ends in
+        whole characters (`RowText`): true of byte-level and character tokenizers."""
+        return True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
@@ -224,6 +230,49 @@ class HFTokenizer(Tokenizer):
 
     def files(self) -> list[str]:
         return list(self._files)
+
+    def settled(self, ids: list[int]) -> bool:
+        """A byte-fallback decoder (Llama 2's, Mistral's <0xE4>) takes a run of byte tokens as one,
+        across the tokens it skips (specials, unknown ids), and turns every byte of a run that is
+        not UTF-8 into U+FFFD, those before too: not final until a token of text."""
+        if not ids:
+            return True
+        byte = re.fullmatch(r"<0x[0-9A-F]{2}>", self.prompt_hf.id_to_token(ids[-1]) or "") is not None
+        return not byte and self.decode(ids[-1:]) != ""
+
+
+# ----------------------------------------------------------------------------- decoding a stream
+
+
+def continuation(tok: Tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The text `new` adds after `prompt`, decoded together: tokenizers whose decoder strips a
+    leading space (SentencePiece's) would lose the space between them if decoded apart."""
+    head, whole = tok.decode(prompt), tok.decode(list(prompt) + list(new))
+    return whole[len(head):] if whole.startswith(head) else tok.decode(new)
+
+
+CONTEXT_TOKENS = 8  # decoded before new tokens: decoders change a text's first token or so (a space)
+
+
+class RowText:
+    """The text a sampled row's new tokens add after the prompt, decoded chunk by chunk: the
+    tokens that decoded to whole characters keep their text, and only those after them are
+    decoded again, behind the last CONTEXT_TOKENS tokens before them (`continuation`). Decoding
+    the prompt and the whole row at every chunk made sampling quadratic in the sample's length
+    and the prompt's."""
+
+    def __init__(self, tok: Tokenizer, prompt: list[int]):
+        self.tok, self.context = tok, list(prompt[-CONTEXT_TOKENS:])
+        self.done, self.kept = 0, ""  # new tokens whose text is final, and that text
+
+    def text(self, new: list[int]) -> str:
+        """The text of `new`, which extends the tokens given before (sampled tokens stay)."""
+        rest = new[self.done:]
+        text = self.kept + continuation(self.tok, self.context, rest)
+        if not text.endswith("\ufffd") and self.tok.settled(rest):  # final: later tokens keep it
+            self.context = (self.context + rest)[-CONTEXT_TOKENS:]
+            self.done, self.kept = len(new), text
+        return text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -336,42 +336,6 @@ def test_settings_and_prompts_are_checked_in_the_python_api_too():
             left_pad(prompts)
 
 
-def test_sampled_text_is_decoded_once_and_as_a_whole(tmp_path):
-    """sample.py's RowText gives after each chunk the text that decoding the prompt and all new
-    tokens together gives (a character split across tokens, a byte-fallback run that turns out
-    not to be UTF-8), while decoding each token about once: decoding everything at every chunk
-    was quadratic in the sample's length and a long prompt's."""
-    from tokenizers import Tokenizer, decoders, models
-    from gpt.tokenizer import HFTokenizer, gpt2_tokenizer
-    from sample import RowText, continuation
-
-    class Counting:  # a tokenizer that counts the tokens it decodes
-        def __init__(self, tok):
-            self.tok, self.prompt_hf, self.decoded = tok, getattr(tok, "prompt_hf", None), 0
-
-        def decode(self, ids):
-            self.decoded += len(ids)
-            return self.tok.decode(ids)
-
-    gpt2 = gpt2_tokenizer()
-    vocab = {"<s>": 0, "a": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
-    hf = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
-    hf.add_special_tokens(["<s>"])  # skipped by decode, as are unknown ids
-    hf.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
-    fallback = HFTokenizer(hf, hf, {"vocab_size": len(vocab)})
-    ni_hao = [2 + 0xE4, 2 + 0xBD, 2 + 0xA0]  # 你 in three byte tokens
-    cases = [(gpt2, gpt2.encode("P: " * 500), gpt2.encode("héllo 😀 你好 " * 40)),
-             (fallback, [1], [1, *ni_hao, 0, 2 + 0xE4, 1, ni_hao[0], 0, *ni_hao[1:]])]
-    for tok, prompt, new in cases:
-        counting = Counting(tok)
-        row = RowText(counting, prompt)
-        for k in range(len(new) + 1):
-            assert row.text(new[:k]) == continuation(tok, prompt, new[:k])
-        assert counting.decoded < 4 * len(new) + 20 * (len(new) + 1)
-    assert continuation(fallback, [1], new[:4]) == "a你"  # until a byte after it makes the run not UTF-8
-    assert continuation(fallback, [1], new) == "a" + "\ufffd" * 4 + "a你"
-
-
 def test_a_prompt_file_is_read_as_the_corpus_is(tmp_path):
     """CRLF and CR line ends in --prompt_file reach the tokenizer unchanged and an editor's UTF-8
     byte-order mark is dropped, as the corpus reader does: text mode turned line ends into "\n",

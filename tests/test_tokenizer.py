@@ -12,9 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 from gpt.errors import UserError
 from helpers import make_hf_tokenizer
-from gpt.tokenizer import (BPE_FILE, GPT2_PATTERN, GPT2_RANKS_FILE, GPT2_RANKS_SHA256, EOT, build_tokenizer,
-                           bytes_to_unicode, hf_tokenizer_into, load_tokenizer, tokenizer_from_hf, train_hf_bpe,
-                           unicode_to_bytes)
+from gpt.tokenizer import (BPE_FILE, GPT2_PATTERN, GPT2_RANKS_FILE, GPT2_RANKS_SHA256, EOT, HFTokenizer,
+                           RowText, build_tokenizer, bytes_to_unicode, continuation, gpt2_tokenizer,
+                           hf_tokenizer_into, load_tokenizer, tokenizer_from_hf, train_hf_bpe, unicode_to_bytes)
 
 REPO = Path(__file__).resolve().parent.parent
 SHAKESPEARE = (REPO / "data" / "shakespeare.txt").read_text(encoding="utf-8")
@@ -368,3 +368,37 @@ def test_hf_tokenizer_that_cannot_encode_a_text_is_one_line(tmp_path):
     for encode in (tok.encode, tok.encode_prompt, lambda t: tok.encode_batch(["a", t])):
         with pytest.raises(UserError, match=r"tokenizer.json cannot encode the text \(.*\[UNK\]"):
             encode("a c")
+
+
+def test_sampled_text_is_decoded_once_and_as_a_whole(tmp_path):
+    """RowText (sample.py's streamed text) gives after each chunk the text that decoding the
+    prompt and all new tokens together gives (a character split across tokens, a byte-fallback
+    run that turns out not to be UTF-8), while decoding each token about once: decoding
+    everything at every chunk was quadratic in the sample's length and a long prompt's."""
+    from tokenizers import Tokenizer, decoders, models
+
+    class Counting:  # a tokenizer that counts the tokens it decodes
+        def __init__(self, tok):
+            self.tok, self.settled, self.decoded = tok, tok.settled, 0
+
+        def decode(self, ids):
+            self.decoded += len(ids)
+            return self.tok.decode(ids)
+
+    gpt2 = gpt2_tokenizer()
+    vocab = {"<s>": 0, "a": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    hf = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+    hf.add_special_tokens(["<s>"])  # skipped by decode, as are unknown ids
+    hf.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    fallback = HFTokenizer(hf, hf, {"vocab_size": len(vocab)})
+    ni_hao = [2 + 0xE4, 2 + 0xBD, 2 + 0xA0]  # 你 in three byte tokens
+    cases = [(gpt2, gpt2.encode("P: " * 500), gpt2.encode("héllo 😀 你好 " * 40)),
+             (fallback, [1], [1, *ni_hao, 0, 2 + 0xE4, 1, ni_hao[0], 0, *ni_hao[1:]])]
+    for tok, prompt, new in cases:
+        counting = Counting(tok)
+        row = RowText(counting, prompt)
+        for k in range(len(new) + 1):
+            assert row.text(new[:k]) == continuation(tok, prompt, new[:k])
+        assert counting.decoded < 4 * len(new) + 20 * (len(new) + 1)
+    assert continuation(fallback, [1], new[:4]) == "a你"  # until a byte after it makes the run not UTF-8
+    assert continuation(fallback, [1], new) == "a" + "\ufffd" * 4 + "a你"
