@@ -31,6 +31,11 @@ def read_prompt(cfg, tokenizer) -> list[int]:
         raise UserError(f"{flag} is not valid UTF-8 text; pass the prompt as UTF-8") from None
     except UserError as e:  # a character the char tokenizer lacks
         raise UserError(f"{flag}: {e}") from None
+    # A tokenizer.json's template may name an id its vocabulary lacks, which the embedding would clamp.
+    outside = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
+    if outside:
+        raise UserError(f"the tokenizer made {flag} into id {outside[0]}, outside its {tokenizer.vocab_size} "
+                        f"tokens (its tokenizer.json's template names it); fix that template")
     return ids or start_ids(tokenizer)
 
 

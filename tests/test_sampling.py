@@ -349,6 +349,23 @@ def test_a_prompt_file_is_read_as_the_corpus_is(tmp_path):
     assert read_prompt(cfg, tok) == tok.encode("ab\r\nb\ra")
 
 
+def test_a_prompt_id_outside_the_vocabulary_is_refused():
+    """A tokenizer.json whose template names a special id its vocabulary lacks made prompts the
+    embedding lookup silently clamps: one line naming the template instead."""
+    from types import SimpleNamespace
+    from tokenizers import Tokenizer, models, processors
+    from gpt.errors import UserError
+    from gpt.tokenizer import HFTokenizer
+    from sample import read_prompt
+    hf = Tokenizer(models.WordLevel({"a": 0, "<s>": 1}, unk_token="<s>"))
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 999_999)])
+    tok = HFTokenizer(hf, hf, {"vocab_size": 2, "prompt_template": True})
+    with pytest.raises(UserError, match="^the tokenizer made --prompt into id 999999, outside its 2 tokens"):
+        read_prompt(SimpleNamespace(prompt="a", prompt_file=""), tok)
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    assert read_prompt(SimpleNamespace(prompt="a", prompt_file=""), tok) == [1, 0]
+
+
 def test_an_empty_prompt_starts_from_a_newline_or_says_what_to_pass(capsys):
     """A char model's alphabet may lack the newline an empty prompt starts from: one line saying
     to pass --prompt, where the char tokenizer's error named a '\\n' the user never typed."""
