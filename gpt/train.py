@@ -229,11 +229,13 @@ def find_gpt2_dir() -> Path:
     env = os.environ.get("GPT2_DIR")
     candidates = [Path(env)] if env else []
     hub = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
-    candidates += sorted((hub / "models--gpt2" / "snapshots").glob("*")) if hub.exists() else []
+    for repo in ("models--gpt2", "models--openai-community--gpt2"):  # as `gpt2`, or under its org's name
+        candidates += sorted((hub / repo / "snapshots").glob("*")) if hub.exists() else []
     for c in candidates:
         if (c / "config.json").is_file() and (c / "model.safetensors").is_file():
             return c
-    raise UserError("GPT-2 weights not found locally: download openai-community/gpt2 "
+    there = f" (GPT2_DIR={env} holds no config.json + model.safetensors)" if env else ""
+    raise UserError(f"GPT-2 weights not found locally{there}: download openai-community/gpt2 "
                     "(config.json + model.safetensors) and set GPT2_DIR=DIR, or convert it with "
                     "`python -m gpt.convert --from_hf DIR --out_dir OUT` and use --init_from=OUT")
 

@@ -2,6 +2,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -426,6 +427,24 @@ def test_init_from_checkpoint_dir_and_hf_gpt2(tmp_path, char_data, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "nohf"))
     with pytest.raises(UserError, match="GPT-2 weights not found locally"):
         T.prepare_setup(*configs(tmp_path / "bad2", char_data, "--init_from=gpt2"))
+
+
+def test_gpt2_is_found_in_the_hf_cache_under_either_repo_name(tmp_path, monkeypatch):
+    """--init_from=gpt2 finds a snapshot in the HF cache downloaded as `gpt2` or as
+    `openai-community/gpt2` (the name the not-found error tells the user to download); a $GPT2_DIR
+    that holds no model is named in the error."""
+    monkeypatch.delenv("GPT2_DIR", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    for repo in ("models--gpt2", "models--openai-community--gpt2"):
+        snap = tmp_path / "hub" / repo / "snapshots" / "abc"
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text("{}")
+        (snap / "model.safetensors").write_bytes(b"")
+        assert T.find_gpt2_dir() == snap, repo
+        shutil.rmtree(tmp_path / "hub")
+    monkeypatch.setenv("GPT2_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match=r"GPT2_DIR=.*nowhere holds no config.json"):
+        T.find_gpt2_dir()
 
 
 def test_llama_tiny_preset_trains_and_samples(tmp_path, char_data, capsys):
