@@ -178,6 +178,9 @@ def cpu_native_bf16() -> bool:
     forced = os.environ.get(CPU_BF16_ENV)
     if forced in ("0", "1"):
         return forced == "1"
+    if forced:  # "false" or "yes" would otherwise leave the detection in charge, unsaid
+        raise UserError(f"{CPU_BF16_ENV}={forced!r} must be 0 or 1 (float32 or bf16 compute on this CPU); "
+                        f"unset it to detect native bf16 from the CPU flags")
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from helpers import REPO, tiny_model_config
 from gpt.config import ComputeConfig
+from gpt.errors import UserError
 from gpt.runtime import (compilation_cache_dir, compute_dtype, cpu_flags, cpu_native_bf16, decoding_dtype,
                          dtype_note, on_mesh, resolve)
 
@@ -36,6 +37,14 @@ def test_sampling_decodes_in_float32_on_every_cpu(monkeypatch, forced):
     assert decoding_dtype("auto", "cpu") == "float32"
     assert compute_dtype(decoding_dtype("auto", "gpu"), "gpu") == jnp.bfloat16
     assert decoding_dtype("bfloat16", "cpu") == "bfloat16"  # an explicit choice is kept
+
+
+@pytest.mark.parametrize("forced", ["false", "yes", "2"])
+def test_a_cpu_bf16_override_other_than_0_or_1_is_refused(monkeypatch, forced):
+    """GPT_CPU_BF16=false must not silently leave the detection in charge (bf16 on this CPU)."""
+    monkeypatch.setenv("GPT_CPU_BF16", forced)
+    with pytest.raises(UserError, match=rf"GPT_CPU_BF16='{forced}' must be 0 or 1"):
+        compute_dtype("auto", "cpu")
 
 
 def test_detection_reads_the_cpu_flags(monkeypatch):
