@@ -776,23 +776,37 @@ def main(argv: Sequence[str]) -> int:
                    help="add the inputs not already in --out_dir's store to it, as new shards")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     args = p.parse_args(argv)
+    before = _source_count(args.out_dir) if args.append else 0
     t0 = time.perf_counter()
     meta = prepare(args.input, args.tokenizer, args.out_dir, val_fraction=args.val_fraction,
                    val_documents=args.val_documents, include=args.include, errors=args.errors,
                    workers=args.workers, text_field=args.text_field, skip_bad_records=args.skip_bad_records,
                    shard_tokens=args.shard_tokens, append=args.append)
-    print(_summary(args, meta, time.perf_counter() - t0))
+    print(_summary(args, meta, time.perf_counter() - t0, before))
     if args.text_field != "text" and all(src["format"] in ("txt", "txt.gz") for src in meta["sources"]):
         print(f"warning: --text_field={args.text_field} was not used: every input is plain text (it names the "
               f"field of .jsonl/.json records or a .parquet column)", file=sys.stderr)
     return 0
 
 
-def _summary(args, meta: dict, seconds: float) -> str:
-    total = sum(s["bytes"] for s in meta["sources"])
+def _source_count(out_dir: str) -> int:
+    """How many inputs out_dir's store holds before an --append (0 where none: prepare says why)."""
+    try:
+        return len(json.loads((Path(out_dir) / "meta.json").read_text(encoding="utf-8"))["sources"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return 0
+
+
+def _summary(args, meta: dict, seconds: float, before: int = 0) -> str:
+    """One line: the files read (with --append, those appended: they follow the store's earlier
+    sources), their MB and speed, then the store's vocabulary, tokens and shards."""
+    new = meta["sources"][before:]
+    total = sum(s["bytes"] for s in new)
     sp, n_shards = meta["splits"], sum(len(store.shard_index(meta, s)) for s in SPLITS)
-    return (f"{'appended to' if args.append else 'prepared'} {args.out_dir}: {len(meta['sources'])} file(s), "
-            f"{total / 1e6:.1f} MB in {seconds:.1f}s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s); vocab {meta['vocab_size']} ({meta['dtype']}); "
+    now = f"; now {len(meta['sources'])} file(s)" if args.append else ""
+    return (f"{'appended to' if args.append else 'prepared'} {args.out_dir}: {len(new)} file(s), "
+            f"{total / 1e6:.1f} MB in {seconds:.1f}s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s){now}; "
+            f"vocab {meta['vocab_size']} ({meta['dtype']}); "
             f"train {sp['train']['tokens']:,} tokens, val {sp['val']['tokens']:,} tokens "
             f"({sp['val'].get('documents', '?')} document(s)), {n_shards} shard(s)"
             + (f"; skipped {meta['skipped_records']:,} bad record(s)" if args.skip_bad_records else ""))

@@ -730,6 +730,20 @@ def test_append_adds_new_files_as_shards(tmp_path):
     assert load_meta(tmp_path / "out") == meta
 
 
+def test_append_summary_counts_the_appended_files(tmp_path, capsys):
+    """--append's summary line gives the files and MB it added and their speed, not the whole
+    store's over the append's time (2 files and 2x the speed for one appended file)."""
+    a = write_format(tmp_path / "a.jsonl", MANY[:30])
+    b = write_format(tmp_path / "b.jsonl", MANY[30:])
+    out = str(tmp_path / "out")
+    assert data.main(["--input", str(a), "--tokenizer", "gpt2", "--out_dir", out]) == 0
+    capsys.readouterr()
+    assert data.main(["--input", str(b), "--out_dir", out, "--append"]) == 0
+    line = capsys.readouterr().out
+    mb = f"{b.stat().st_size / 1e6:.1f} MB in"
+    assert line.startswith(f"appended to {out}: 1 file(s), {mb}") and "; now 2 file(s);" in line, line
+
+
 def test_a_glob_reaching_into_out_dir_is_refused(tmp_path):
     """out_dir inside a folder is refused before resolving; a glob's files inside it were read as
     input (the second run failed on its own meta.json as a bad JSON line)."""
