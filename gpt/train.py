@@ -240,6 +240,20 @@ def find_gpt2_dir() -> Path:
                     "`python -m gpt.convert --from_hf DIR --out_dir OUT` and use --init_from=OUT")
 
 
+def init_source(init_from: str) -> Path:
+    """--init_from's folder (not scratch or resume): GPT-2's for gpt2, else the one named, which
+    must hold a training output (checkpoints/) or a Hugging Face model (config.json)."""
+    if init_from == "gpt2":
+        return find_gpt2_dir()
+    src = Path(init_from)
+    if not (src / "checkpoints").is_dir() and not (src / "config.json").is_file():
+        what = ("does not exist" if not src.exists() else "is a file, not a folder" if not src.is_dir()
+                else "holds neither checkpoints/ nor a Hugging Face config.json")
+        raise UserError(f"--init_from={init_from} {what}; pass a training output dir (or gpt.convert's), a "
+                        f"Hugging Face model dir (config.json + model.safetensors), or --init_from=gpt2")
+    return src
+
+
 def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]) -> Setup:
     """Resolve data, vocabulary and the starting point; every user mistake raises UserError here.
     In a multi-host job every process does the same, and a mistake on any stops them all."""
@@ -324,7 +338,7 @@ def _with_data(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[s
         lora_lib.check_tokenizer(base, meta["tokenizer"], base.ref["path"])
         init_params, lora, base_ref = base.params, lora_lib.resolve(t, m), base.ref
     elif t.init_from not in ("scratch", "resume"):
-        src = find_gpt2_dir() if t.init_from == "gpt2" else Path(t.init_from)
+        src = init_source(t.init_from)
         m, init_params, tokenizer = load_init(src, m, explicit)
         check_data_tokenizer(tokenizer, meta["tokenizer"], f"the model in {src}",
                              f"prepare the data with {tokenizer_hint(tokenizer, src)}")
@@ -352,7 +366,7 @@ def _lora_base(t: TrainConfig, m: ModelConfig, explicit: set[str], meta_ck: dict
     """A LoRA run's frozen base: --init_from's, or the one a resumed run recorded (which must be
     unchanged); the architecture is the base's."""
     if meta_ck is None:
-        base = lora_lib.read_base(find_gpt2_dir() if t.init_from == "gpt2" else Path(t.init_from))
+        base = lora_lib.read_base(init_source(t.init_from))
     elif isinstance(meta_ck.get("lora"), dict):
         base = lora_lib.load_base(meta_ck["lora"].get("base"), t.out_dir)
     else:
