@@ -204,8 +204,12 @@ def keep_host_memory() -> bool:
     heap does stay at the process's peak. Once per process, before the first step; other C
     libraries (musl, macOS) are left alone.
     """
-    if os.environ.get(KEEP_MEMORY_ENV) == "0":
+    kept = os.environ.get(KEEP_MEMORY_ENV)
+    if kept == "0":
         return False
+    if kept not in (None, "", "1"):  # "false" would otherwise tune the allocator it meant to leave alone
+        raise UserError(f"{KEEP_MEMORY_ENV}={kept!r} must be 0 or 1 (0 leaves glibc's allocator alone); "
+                        f"unset it to keep freed host memory for reuse, the default")
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.gnu_get_libc_version  # glibc only: mallopt's parameters below are its own

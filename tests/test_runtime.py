@@ -47,6 +47,18 @@ def test_a_cpu_bf16_override_other_than_0_or_1_is_refused(monkeypatch, forced):
         compute_dtype("auto", "cpu")
 
 
+def test_a_keep_host_memory_setting_other_than_0_or_1_is_refused(monkeypatch):
+    """GPT_KEEP_HOST_MEMORY=false must not silently tune the allocator it asked to leave alone."""
+    from gpt.runtime import keep_host_memory
+    monkeypatch.setenv("GPT_KEEP_HOST_MEMORY", "false")
+    keep_host_memory.cache_clear()
+    try:
+        with pytest.raises(UserError, match=r"GPT_KEEP_HOST_MEMORY='false' must be 0 or 1"):
+            keep_host_memory()
+    finally:
+        keep_host_memory.cache_clear()
+
+
 def test_detection_reads_the_cpu_flags(monkeypatch):
     monkeypatch.delenv("GPT_CPU_BF16", raising=False)
     flags = cpu_flags()
