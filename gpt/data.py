@@ -724,6 +724,7 @@ def ensure_prepared(input_paths: Sequence[str | os.PathLike], tokenizer: str, ca
     fields = {f.name for f in dataclasses.fields(Settings)}
     settings = Settings(identity(tokenizer), **{k: v for k, v in {**kw, "include": include}.items() if k in fields})
     key = cache_key(files, settings)
+    warn_unused_text_field(settings.text_field, [file_format(f) for f in files])  # train.py's --text_field
     stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in files[0].stem)[:40]
     label = kind if kind == "hf" else tokenizer.replace(":", "")
     name = f"{stem}{'-etc' if len(files) > 1 else ''}-{label}-{key[:12]}"
@@ -756,7 +757,7 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--tokenizer", default=None, help="gpt2 | char | bpe:N (train a byte-level BPE with N tokens) | "
                    "hf:PATH (a Hugging Face tokenizer.json, or the directory holding it); required unless --append")
     p.add_argument("--out_dir", required=True, help="data dir to write")
-    p.add_argument("--val_fraction", type=float, default=0.1,
+    p.add_argument("--val_fraction", type=float, default=None,
                    help="whole documents past the last fraction of the bytes go to validation (default 0.1)")
     p.add_argument("--val_documents", type=int, default=None,
                    help="instead: the last N documents (files, JSONL lines, Parquet rows) go to validation")
@@ -776,6 +777,9 @@ def main(argv: Sequence[str]) -> int:
                    help="add the inputs not already in --out_dir's store to it, as new shards")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
     args = p.parse_args(argv)
+    if args.val_fraction is not None and args.val_documents is not None:  # one would be ignored
+        raise UserError("--val_fraction and --val_documents both choose the validation split; pass one of them")
+    args.val_fraction = 0.1 if args.val_fraction is None else args.val_fraction
     before = _source_count(args.out_dir) if args.append else 0
     t0 = time.perf_counter()
     meta = prepare(args.input, args.tokenizer, args.out_dir, val_fraction=args.val_fraction,
@@ -783,10 +787,15 @@ def main(argv: Sequence[str]) -> int:
                    workers=args.workers, text_field=args.text_field, skip_bad_records=args.skip_bad_records,
                    shard_tokens=args.shard_tokens, append=args.append)
     print(_summary(args, meta, time.perf_counter() - t0, before))
-    if args.text_field != "text" and all(src["format"] in ("txt", "txt.gz") for src in meta["sources"]):
-        print(f"warning: --text_field={args.text_field} was not used: every input is plain text (it names the "
-              f"field of .jsonl/.json records or a .parquet column)", file=sys.stderr)
+    warn_unused_text_field(args.text_field, [src["format"] for src in meta["sources"]])
     return 0
+
+
+def warn_unused_text_field(text_field: str, formats: Sequence[str]) -> None:
+    """A --text_field other than the default names a record field, which plain text has none of."""
+    if text_field != "text" and all(f in ("txt", "txt.gz") for f in formats):
+        print(f"warning: --text_field={text_field} was not used: every input is plain text (it names the "
+              f"field of .jsonl/.json records or a .parquet column)", file=sys.stderr)
 
 
 def _source_count(out_dir: str) -> int:

@@ -744,6 +744,26 @@ def test_append_summary_counts_the_appended_files(tmp_path, capsys):
     assert line.startswith(f"appended to {out}: 1 file(s), {mb}") and "; now 2 file(s);" in line, line
 
 
+def test_val_fraction_and_val_documents_together_are_refused(tmp_path):
+    """Both flags choose the validation split; --val_documents won and --val_fraction was ignored
+    without a word. Refused before anything is written."""
+    a = write_format(tmp_path / "a.jsonl", MANY[:30])
+    with pytest.raises(UserError, match="--val_fraction and --val_documents both choose"):
+        data.main(["--input", str(a), "--tokenizer", "gpt2", "--out_dir", str(tmp_path / "out"),
+                   "--val_fraction", "0.2", "--val_documents", "3"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_py_warns_of_a_text_field_plain_text_does_not_have(tmp_path, capsys):
+    """train.py --text_field on plain text (the bundled Shakespeare, say) was silently unused, as
+    gpt.data already warned."""
+    (tmp_path / "a.txt").write_text("hello world\n" * 50, encoding="utf-8")
+    data.ensure_prepared([tmp_path / "a.txt"], "char", tmp_path / "cache", text_field="body")
+    assert "warning: --text_field=body was not used: every input is plain text" in capsys.readouterr().err
+    data.ensure_prepared([tmp_path / "a.txt"], "char", tmp_path / "cache")
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_a_glob_reaching_into_out_dir_is_refused(tmp_path):
     """out_dir inside a folder is refused before resolving; a glob's files inside it were read as
     input (the second run failed on its own meta.json as a bad JSON line)."""
