@@ -806,6 +806,13 @@ def _source_count(out_dir: str) -> int:
         return 0
 
 
+def _val_documents(val: dict) -> str:
+    """The val split's documents for the summary: a one-document corpus is cut inside (SPLIT_RULE),
+    which "0 document(s)" beside its val tokens misdescribed."""
+    n = val.get("documents", "?")
+    return "the end of the one document" if n == 0 and val["tokens"] else f"{n} document(s)"
+
+
 def _summary(args, meta: dict, seconds: float, before: int = 0) -> str:
     """One line: the files read (with --append, those appended: they follow the store's earlier
     sources), their MB and speed, then the store's vocabulary, tokens and shards."""
@@ -817,7 +824,7 @@ def _summary(args, meta: dict, seconds: float, before: int = 0) -> str:
             f"{total / 1e6:.1f} MB in {seconds:.1f}s ({total / 1e6 / max(seconds, 1e-9):.1f} MB/s){now}; "
             f"vocab {meta['vocab_size']} ({meta['dtype']}); "
             f"train {sp['train']['tokens']:,} tokens, val {sp['val']['tokens']:,} tokens "
-            f"({sp['val'].get('documents', '?')} document(s)), {n_shards} shard(s)"
+            f"({_val_documents(sp['val'])}), {n_shards} shard(s)"
             + (f"; skipped {meta['skipped_records']:,} bad record(s)" if args.skip_bad_records else ""))
 
 
