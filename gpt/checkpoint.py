@@ -371,7 +371,9 @@ def read_meta(out_dir: str | Path, step: int | None = None) -> tuple[int, dict[s
     raise UserError(damaged_message(out_dir, steps) if steps else describe_missing(out_dir))
 
 
-def describe_missing(out_dir: str | Path) -> str:
+def describe_missing(out_dir: str | Path, other: str = "pass --out_dir") -> str:
+    """Why `out_dir` has no checkpoint, ending in `other`: what else the user may pass (the flag
+    that named the folder, which is not --out_dir for train.py --init_from)."""
     out = Path(out_dir)
     if not out.exists():
         there = "it does not exist"
@@ -386,7 +388,7 @@ def describe_missing(out_dir: str | Path) -> str:
                 f"that run has ended, `python train.py --out_dir={out} --init_from=resume` puts it back "
                 f"and resumes it")
     return (f"no checkpoint found in {out}/checkpoints ({there}); train one with "
-            f"`python train.py --out_dir={out}` or pass --out_dir")
+            f"`python train.py --out_dir={out}` or {other}")
 
 
 def remove_all(out_dir: str | Path) -> None:

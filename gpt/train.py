@@ -280,6 +280,8 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
         # points at its base, which would be gone)
         raise UserError(f"--init_from and --out_dir are both {out}: the run would write over the model it "
                         f"starts from; pick another --out_dir")
+    if t.init_from not in ("scratch", "resume", "gpt2"):
+        check_init_from(Path(t.init_from))
     if sharding.is_main_process():  # an --overwrite run that died before saving: old run back
         ckpt.settle_aside(out, out.absolute() / ckpt.ASIDE)
     meta_ck = None
@@ -308,6 +310,14 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
                         f"({', '.join(ckpt.foreign_entries(out)[:3])}), so --overwrite will not replace it; "
                         f"pick another --out_dir")
     return m, c, t, meta_ck
+
+
+def check_init_from(src: Path) -> None:
+    """--init_from names a Hugging Face directory or a folder with checkpoints: said before any data
+    is prepared, naming --init_from (the generic message told the user to pass --out_dir)."""
+    if not lora_lib.is_hf_dir(src) and not ckpt.list_steps(src):
+        raise UserError(f"--init_from={src}: " + ckpt.describe_missing(
+            src, "pass --init_from=DIR of a training output or a Hugging Face model (config.json)"))
 
 
 def check_writable_dir(path: Path, flag: str) -> None:

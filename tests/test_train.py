@@ -342,6 +342,21 @@ def test_bad_inputs(tmp_path, char_data):
             run(where, char_data)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_missing_init_from_names_that_flag(tmp_path, char_data, lora):
+    """--init_from naming no checkpoint (a LoRA base or a model to fine-tune) is one line whose fix
+    is about --init_from (it said `or pass --out_dir`), and nothing is written."""
+    (tmp_path / "empty").mkdir()
+    for src in (tmp_path / "nowhere", tmp_path / "empty"):
+        argv = [f"--init_from={src}", *(["--lora_rank=2"] if lora else [])]
+        with pytest.raises(UserError) as e:
+            T.prepare_setup(*configs(tmp_path / "o", char_data, *argv))
+        msg = str(e.value)
+        assert f"--init_from={src}" in msg and "no checkpoint found" in msg, msg
+        assert "--out_dir" not in msg.replace(f"--out_dir={src}", ""), msg
+        assert not (tmp_path / "o").exists()
+
+
 def test_unwritable_out_dir_is_one_line(tmp_path, char_data, monkeypatch):
     """A read-only disk or a folder without permission (the tests run as root, who passes any
     permission check, so access() is made to say no) is refused before anything is prepared."""
