@@ -295,7 +295,7 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
             raise UserError(f"{out} holds a checkpoint converted from {origin}, which has no training state to "
                             f"resume (it is intact); fine-tune it with --init_from={out} and a new --out_dir")
         m = _model_for_checkpoint(model_from_dict(meta_ck["config"]["model"]), m, explicit, resuming=True)
-        c, t = _settings_for_resume(meta_ck["config"], c, t, explicit)
+        c, t = _settings_for_resume(meta_ck["config"], c, t, explicit, _recorded_base(meta_ck))
         if "input" in explicit and not named_dir:  # the flag wins over the saved data
             t = dataclasses.replace(t, data_dir="")
         elif named_dir:
@@ -408,11 +408,12 @@ def _saved(saved: dict, key: str) -> dict:
     return old
 
 
-def _settings_for_resume(saved: dict, c: ComputeConfig, t: TrainConfig,
-                         explicit: set[str]) -> tuple[ComputeConfig, TrainConfig]:
+def _settings_for_resume(saved: dict, c: ComputeConfig, t: TrainConfig, explicit: set[str],
+                         base: str | None = None) -> tuple[ComputeConfig, TrainConfig]:
     """--init_from=resume continues the run as it was: its training and compute settings come
     from the checkpoint, a flag that contradicts one is an error naming both values unless it is
-    in RESUME_MAY_CHANGE. Checkpoints from before the settings were saved keep the flags."""
+    in RESUME_MAY_CHANGE. Checkpoints from before the settings were saved keep the flags. `base`:
+    a LoRA run's base, where other LoRA settings start (a LoRA run is no base for --lora_rank)."""
     from gpt.config import json_fields, validate_compute, validate_train
     merged = []
     for cfg, key in ((c, "compute"), (t, "train")):
@@ -423,10 +424,12 @@ def _settings_for_resume(saved: dict, c: ComputeConfig, t: TrainConfig,
             if f.name not in explicit:
                 updates[f.name] = old[f.name]
             elif getattr(cfg, f.name) != old[f.name] and f.name not in RESUME_MAY_CHANGE:
+                fresh = f"a new run from its weights with --init_from={t.out_dir}"
+                if base and f.name.startswith("lora_"):
+                    fresh = f"a new LoRA run from its base with --init_from={base}"
                 raise UserError(f"--{f.name}={getattr(cfg, f.name)} differs from the run being resumed "
                                 f"({f.name}={old[f.name]!r}); a resumed run keeps its settings: drop the "
-                                f"flag, or start a new run from its weights with --init_from={t.out_dir} "
-                                f"--out_dir=NEW_DIR")
+                                f"flag, or start {fresh} --out_dir=NEW_DIR")
         merged.append(dataclasses.replace(cfg, **updates))
     try:
         c, t = validate_compute(merged[0]), validate_train(merged[1])
@@ -436,6 +439,12 @@ def _settings_for_resume(saved: dict, c: ComputeConfig, t: TrainConfig,
     if "mesh" not in explicit:
         _check_saved_mesh(t.mesh)
     return c, t
+
+
+def _recorded_base(meta_ck: dict) -> str | None:
+    """The path of the base a LoRA checkpoint records (None for any other checkpoint)."""
+    ref = meta_ck.get("lora", {}).get("base") if isinstance(meta_ck.get("lora"), dict) else None
+    return ref["path"] if isinstance(ref, dict) and isinstance(ref.get("path"), str) else None
 
 
 def _check_saved_mesh(mesh: str) -> None:

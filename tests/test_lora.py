@@ -325,6 +325,20 @@ def test_base_gone_changed_or_a_lora_run(tmp_path, char_data, bases, lora_runs):
         run(bases / "gpt2", char_data, "--init_from=resume", *LORA)
 
 
+@pytest.mark.parametrize("flag", ["--lora_rank=8", "--lora_alpha=2", "--lora_targets=attn"])
+def test_resume_with_other_lora_settings_points_at_the_base(char_data, bases, lora_runs, flag):
+    """Resuming a LoRA run with other LoRA settings is refused, and the fix names a new LoRA run
+    from its base (it named --init_from=LORA_OUT, which --lora_rank then refuses as a LoRA run)."""
+    out = lora_runs[0] / "gpt2"
+    before = sorted(p.name for p in ckpt.checkpoint_dir(out).iterdir())
+    with pytest.raises(UserError) as e:
+        T.prepare_setup(*configs(out, char_data, "--init_from=resume", flag))
+    msg = str(e.value)
+    assert "differs from the run being resumed" in msg and f"--init_from={bases / 'gpt2'}" in msg, msg
+    assert f"--init_from={out}" not in msg, msg
+    assert sorted(p.name for p in ckpt.checkpoint_dir(out).iterdir()) == before
+
+
 def test_data_must_use_the_bases_tokenizer(tmp_path, bases):
     from gpt.data import prepare
     (tmp_path / "t.txt").write_text("abc cab bca " * 400)
