@@ -241,17 +241,9 @@ def find_gpt2_dir() -> Path:
 
 
 def init_source(init_from: str) -> Path:
-    """--init_from's folder (not scratch or resume): GPT-2's for gpt2, else the one named, which
-    must hold a training output (checkpoints/) or a Hugging Face model (config.json)."""
-    if init_from == "gpt2":
-        return find_gpt2_dir()
-    src = Path(init_from)
-    if not (src / "checkpoints").is_dir() and not (src / "config.json").is_file():
-        what = ("does not exist" if not src.exists() else "is a file, not a folder" if not src.is_dir()
-                else "holds neither checkpoints/ nor a Hugging Face config.json")
-        raise UserError(f"--init_from={init_from} {what}; pass a training output dir (or gpt.convert's), a "
-                        f"Hugging Face model dir (config.json + model.safetensors), or --init_from=gpt2")
-    return src
+    """--init_from's folder (not scratch or resume): GPT-2's for gpt2, else the one named (which
+    `check_init_from` found to hold a model before any data was prepared)."""
+    return find_gpt2_dir() if init_from == "gpt2" else Path(init_from)
 
 
 def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]) -> Setup:

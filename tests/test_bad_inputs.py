@@ -239,7 +239,7 @@ def cases(w) -> list[Case]:
         Case("train resume all damaged", T + [f"--out_dir={bad}", "--init_from=resume"],
              "every checkpoint", bad),
         Case("train init_from missing dir", T + [f"--out_dir={new}", f"--init_from={root / 'nowhere'}"],
-             "nowhere does not exist; pass a training output dir", new),
+             "nowhere: no checkpoint found", new),
         # train.py: LoRA
         Case("train lora without init_from", T + [f"--out_dir={new}", "--lora_rank=8"],
              "pass --init_from=DIR", new),

@@ -444,16 +444,6 @@ def test_init_from_checkpoint_dir_and_hf_gpt2(tmp_path, char_data, monkeypatch):
         T.prepare_setup(*configs(tmp_path / "bad2", char_data, "--init_from=gpt2"))
 
 
-@pytest.mark.parametrize("lora", [[], ["--lora_rank=2"]])
-def test_init_from_a_folder_without_a_model_names_the_flag(tmp_path, char_data, lora):
-    """--init_from=DIR with no model there is --init_from's mistake: the error said "pass --out_dir"."""
-    (tmp_path / "empty").mkdir()
-    for src, what in ((tmp_path / "nowhere", "does not exist"), (tmp_path / "empty", "holds neither")):
-        with pytest.raises(UserError, match=rf"^--init_from=\S+ {what}.*pass a training output dir") as e:
-            T.prepare_setup(*configs(tmp_path / "o", char_data, f"--init_from={src}", *lora))
-        assert "--out_dir" not in str(e.value)
-
-
 def test_gpt2_is_found_in_the_hf_cache_under_either_repo_name(tmp_path, monkeypatch):
     """--init_from=gpt2 finds a snapshot in the HF cache downloaded as `gpt2` or as
     `openai-community/gpt2` (the name the not-found error tells the user to download); a $GPT2_DIR
