@@ -380,14 +380,8 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
     GPT2LMHeadModel, or for the modern block Llama/Qwen2/Qwen3 (Mistral if it came from one).
     `stop_ids`: the model's other EOS ids, written after eot_id as the config's list of them.
     `files`: more files to write beside them (the tokenizer.json a converted model came with).
-
-    The directory appears complete or not at all: both files are written into a temporary sibling
-    directory that is then renamed. An existing non-empty `hf_dir` is replaced only with
-    `overwrite`, and only if it looks like a model directory (holds config.json), and never if it
-    is or holds one of the `keep` (what, path) pairs: the checkpoint exported, a LoRA run's base.
+    `overwrite` and `keep`: as `check_hf_dest`.
     """
-    from safetensors.numpy import save_file
-
     check_not_moe(cfg)
     if is_llama_family(cfg):
         llama.check_compatible(cfg)
@@ -400,6 +394,15 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
     if stop_ids:
         config["eos_token_id"] = [config["eos_token_id"], *stop_ids]
     dest = Path(hf_dir).absolute()
+    check_hf_dest(dest, overwrite, keep)
+    write_model_dir(dest, config, tensors, files or {})
+    return dest
+
+
+def check_hf_dest(dest: Path, overwrite: bool, keep: Sequence[tuple[str, Path]] = ()) -> None:
+    """An existing non-empty `dest` is replaced only with `overwrite`, and only if it looks like a
+    model directory (holds config.json), and never if it is or holds one of the `keep` (what,
+    path) pairs: the checkpoint exported, a LoRA run's base."""
     if dest.exists() and not dest.is_dir():
         raise UserError(f"{dest} exists and is not a directory; pass a new --hf_dir")
     nonempty = dest.is_dir() and any(dest.iterdir())
@@ -417,14 +420,21 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
         if nonempty and (path == dest.resolve() or dest.resolve() in path.parents):
             raise UserError(f"--hf_dir {dest} holds {what} {path}; replacing it would delete that, choose "
                             f"another --hf_dir")
+
+
+def write_model_dir(dest: Path, config: dict, tensors: dict[str, np.ndarray], files: dict[str, bytes]) -> None:
+    """The directory appears complete or not at all: every file is written and synced into a
+    temporary sibling directory, which then takes `dest`'s place."""
+    from safetensors.numpy import save_file
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        for name, data in (files or {}).items():
+        for name, data in files.items():
             (tmp / name).write_bytes(data)
-        for f in (CONFIG_FILE, WEIGHTS_FILE, *(files or {})):
+        for f in (CONFIG_FILE, WEIGHTS_FILE, *files):
             with open(tmp / f, "rb") as fh:
                 os.fsync(fh.fileno())
         os.chmod(tmp, 0o755)
@@ -438,7 +448,6 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dest
 
 
 # ----------------------------------------------------------------------------- commands
