@@ -322,6 +322,8 @@ def test_cli_speculative_equals_plain(dirs, capsys):
     samples = out.rstrip("\n").split("\n---------------\n")
     assert code == 0 and len(samples) == 3, out
     assert all(x.startswith("ROMEO:") and "e" not in x[len("ROMEO:"):] for x in samples), samples
+    code, out, err = sample(capsys, *common[:2], "--max_new_tokens=0", f"--draft_out_dir={dirs / 'draft'}")
+    assert code == 0 and out == "ROMEO:\n" and not any("speculative" in ln for ln in err), err  # "0% of 0"
 
 
 def test_larger_draft_warns_once(dirs, capsys):
