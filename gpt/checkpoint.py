@@ -391,6 +391,40 @@ def describe_missing(out_dir: str | Path, other: str = "pass --out_dir") -> str:
             f"`python train.py --out_dir={out}` or {other}")
 
 
+_HELD: dict[str, int] = {}  # out_dirs whose lock this process holds: resolved path -> descriptor
+
+
+def hold_out_dir(out_dir: str | Path) -> None:
+    """Take out_dir's exclusive lock (a flock on the folder itself, held until `release_out_dir` or
+    exit) for a process that writes checkpoints there, or refuse with one line if another holds it:
+    a resume started beside an --overwrite run put the old run back under it (deleting its
+    checkpoints dir), and the two then saved into one folder. Re-entrant; nothing to lock if
+    out_dir does not exist yet (take it again once made); no lock where flock is unsupported."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    key = str(Path(out_dir).resolve())
+    if key in _HELD or not Path(key).is_dir():
+        return
+    fd = os.open(key, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise UserError(f"--out_dir={out_dir} is in use by another run (train.py or python -m gpt.convert "
+                            f"holds its lock); wait for it to end, or pick another --out_dir") from None
+        return  # a filesystem without flock (the same errors as gpt/data.py's NO_LOCKS)
+    _HELD[key] = fd
+
+
+def release_out_dir(out_dir: str | Path) -> None:
+    fd = _HELD.pop(str(Path(out_dir).resolve()), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def remove_all(out_dir: str | Path) -> None:
     shutil.rmtree(checkpoint_dir(out_dir), ignore_errors=True)
 

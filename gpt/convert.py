@@ -454,6 +454,15 @@ def write_model_dir(dest: Path, config: dict, tensors: dict[str, np.ndarray], fi
 
 
 def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> str:
+    """--from_hf, holding out_dir's lock (`ckpt.hold_out_dir`: no training run writes there meanwhile)."""
+    from gpt import checkpoint as ckpt
+    try:
+        return _from_hf_to_checkpoint(hf_dir, out_dir, overwrite=overwrite)
+    finally:
+        ckpt.release_out_dir(out_dir)
+
+
+def _from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> str:
     from gpt import checkpoint as ckpt
 
     out = Path(out_dir)
@@ -462,6 +471,7 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
             raise UserError(f"--out_dir {out}: {d} is a file, not a folder; choose another --out_dir")
     if out.absolute() == Path(hf_dir).absolute():
         raise UserError(f"--out_dir is the Hugging Face directory {out} itself; choose another --out_dir")
+    ckpt.hold_out_dir(out)
     ckpt.settle_aside(out, out.absolute() / ckpt.ASIDE)  # an earlier --overwrite that died first
     steps = ckpt.list_steps(out)
     if ckpt.foreign_entries(out):
@@ -482,6 +492,8 @@ def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite:
         print(f"warning: {hf_dir} has no tokenizer.json (and is not a GPT-2 model with GPT-2's "
               f"vocabulary), so no tokenizer is recorded; sampling from this checkpoint needs one",
               file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt.hold_out_dir(out)  # a folder new at the start is locked once made
     aside = ckpt.set_aside(out) if steps else None  # --overwrite: deleted only once the new one is saved
     try:
         c = ckpt.Checkpointer(out, keep=1, async_save=False)

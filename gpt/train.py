@@ -248,10 +248,15 @@ def init_source(init_from: str) -> Path:
 
 def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]) -> Setup:
     """Resolve data, vocabulary and the starting point; every user mistake raises UserError here.
-    In a multi-host job every process does the same, and a mistake on any stops them all."""
-    m, c, t, meta_ck = sharding.all_or_none(lambda: _starting_point(m, c, t, explicit))
-    data_dir = resolve_data(t)
-    return sharding.all_or_none(lambda: _with_data(m, c, t, explicit, data_dir, meta_ck))
+    In a multi-host job every process does the same, and a mistake on any stops them all.
+    out_dir's lock (`ckpt.hold_out_dir`) is taken here and held until `train` ends."""
+    try:
+        m, c, t, meta_ck = sharding.all_or_none(lambda: _starting_point(m, c, t, explicit))
+        data_dir = resolve_data(t)
+        return sharding.all_or_none(lambda: _with_data(m, c, t, explicit, data_dir, meta_ck))
+    except BaseException:
+        ckpt.release_out_dir(t.out_dir)
+        raise
 
 
 def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]
@@ -275,6 +280,7 @@ def _starting_point(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: 
     if t.init_from not in ("scratch", "resume", "gpt2"):
         check_init_from(Path(t.init_from))
     if sharding.is_main_process():  # an --overwrite run that died before saving: old run back
+        ckpt.hold_out_dir(out)  # never while that run (or any other) is still writing there
         ckpt.settle_aside(out, out.absolute() / ckpt.ASIDE)
     meta_ck = None
     if t.init_from == "resume":
@@ -554,7 +560,8 @@ def prepare_out_dir(s: Setup) -> tuple[Path, Path | None]:
     done (no process may look at out_dir before process 0 has set it up)."""
     t = s.train_cfg
     out, aside = Path(t.out_dir), None
-    sharding.all_or_none(lambda: out.mkdir(parents=True, exist_ok=True) if sharding.is_main_process() else None)
+    sharding.all_or_none(lambda: (out.mkdir(parents=True, exist_ok=True), ckpt.hold_out_dir(out))
+                         if sharding.is_main_process() else None)
     if jax.process_count() > 1:
         agree_across_processes(s, out)
     if sharding.is_main_process() and t.overwrite and t.init_from != "resume":
@@ -883,6 +890,7 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
     finally:  # the old checkpoints go once this run has one: else they come back
         if sharding.is_main_process():
             _clean_up(out, aside, new_dir)
+            ckpt.release_out_dir(t.out_dir)
 
 
 def check_host_batch(t: TrainConfig, block_size: int) -> None:

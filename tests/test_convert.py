@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -187,6 +188,26 @@ def test_bad_inputs_are_one_line_errors(hf, tmp_path, capsys):
         assert needle in lines[0], (name, lines[0])
         assert not (tmp_path / f"out_{name}" / "checkpoints").exists()
         assert not (tmp_path / "x").exists()
+
+
+def test_from_hf_is_refused_while_a_run_holds_the_out_dir(hf, tmp_path):
+    """--from_hf --overwrite into an out_dir a training run is using (it holds the folder's lock):
+    one line, nothing moved aside; once the lock is free it converts."""
+    import fcntl
+
+    from gpt import checkpoint as ckpt
+    out = tmp_path / "ckpt"
+    args = ["--from_hf", str(hf[0]), "--out_dir", str(out), "--overwrite"]
+    assert convert.main(args) == 0
+    fd = os.open(out, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(UserError, match="is in use by another run"):
+            convert.main(args)
+        assert ckpt.list_steps(out) == [0] and not (out / ckpt.ASIDE).exists()
+    finally:
+        os.close(fd)
+    assert convert.main(args) == 0
 
 
 def gpt2_tokenizer_json(path: Path, edit=None) -> None:

@@ -523,6 +523,31 @@ def test_overwrite_replaces_old_checkpoints_only_after_saving(tmp_path, char_dat
     assert (out / "checkpoints" / "notes.txt").exists() and ckpt.list_steps(out) == [3]
 
 
+def test_a_second_run_in_one_out_dir_is_refused(tmp_path, char_data):
+    """While a run holds out_dir's lock, another train.py there is one line and touches nothing: a
+    resume started beside an --overwrite run that had not saved yet put the old run back under it
+    (deleting that run's checkpoints dir), and both then saved into one checkpoints folder."""
+    import fcntl
+
+    from gpt import checkpoint as ckpt
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=2", "--eval_interval=2")
+    (out / "checkpoints").rename(out / ckpt.ASIDE)  # an --overwrite run, still running, before its first save
+    (out / "checkpoints").mkdir()
+    fd = os.open(out, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # its lock (another open file: to this process, another run's)
+    try:
+        for argv in (["--init_from=resume"], ["--overwrite"], []):
+            with pytest.raises(UserError, match="is in use by another run"):
+                run(out, char_data, "--max_iters=4", "--eval_interval=2", *argv)
+            assert (out / ckpt.ASIDE / "2").is_dir() and (out / "checkpoints").is_dir()
+            assert ckpt.list_steps(out) == []
+    finally:
+        os.close(fd)
+    second = run(out, char_data, "--max_iters=4", "--eval_interval=2", "--init_from=resume")  # it has ended
+    assert second["start_step"] == 2 and ckpt.list_steps(out) == [2, 4]
+
+
 def test_document_aligned_rows_train_and_resume_exactly(tmp_path, capsys):
     """--align_documents on a sharded JSONL store: training runs, the waste is reported, and a
     resumed run sees exactly the batches of an uninterrupted one."""
