@@ -237,6 +237,8 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | None, out_dir:
         if old is not None and _append_id(_store_to_append(out_dir, tokenizer)) != settings.append_to:
             raise UserError(f"{str(out_dir)!r} was replaced by another preparation while this --append waited "
                             f"for it; run the command again to add to the new store")
+        if old is not None:
+            store.drop_unlisted(out_dir, old)  # an earlier append killed before its commit
         done = _prepared(out_dir) if reuse else None
         return done or _prepare_locked(out_dir, created, key, sources, reading, settings, old, workers, backend)
 

@@ -164,6 +164,19 @@ def publish(stage: Path, out_dir: Path, meta: dict, old: dict | None, drop: list
     _remove_old(out_dir, previous, keep=name)
 
 
+def drop_unlisted(out_dir: Path, meta: dict) -> None:
+    """Delete the shard files in the store dir that meta.json does not list: an append killed
+    between moving its shards in and replacing meta.json leaves them (no reader opens them), and
+    every later append was refused for the names they hold. Called with out_dir's lock held, so no
+    other append is publishing."""
+    listed = {sh["file"] for split in SPLITS for sh in meta["shards"][split]}
+    listed |= {n.replace(".bin", ".docs") for n in listed}
+    for f in (out_dir / meta["store"]).iterdir():
+        ours = _SHARD_NAME.fullmatch(f.name.replace(".docs", ".bin"))
+        if ours and f.name not in listed and f.is_file():
+            f.unlink()
+
+
 def _write_meta(out_dir: Path, meta: dict) -> None:
     atomic_write_bytes(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
 

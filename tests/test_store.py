@@ -150,6 +150,32 @@ def test_failed_append_commit_moves_the_shards_back_and_a_rerun_appends(tmp_path
     assert len(meta["sources"]) == 2 and meta["splits"]["train"]["tokens"] > first["splits"]["train"]["tokens"]
 
 
+def test_an_append_killed_before_its_commit_is_appended_by_a_rerun(tmp_path):
+    """An append killed after moving its shards into the store and before replacing meta.json (no
+    clean-up runs) leaves them there unlisted: readers see the old store, but every rerun of the
+    append was refused ("appending would overwrite train-00001.bin ...; run the append again"). A
+    rerun appends, the same as an append never killed."""
+    import subprocess
+    import sys
+
+    from test_data import REPO
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    first = prepare([write(tmp_path / "in/a.txt", SHAKESPEARE[:3000])], "gpt2", out)
+    shutil.copytree(out, ref)
+    write(tmp_path / "in/b.txt", SHAKESPEARE[3000:6000])
+    killed = ("import os, sys; import gpt.store as s; s._write_meta = lambda *a: os._exit(137); "
+              "from gpt.data import main; main(sys.argv[1:])")  # a kill at the commit
+    r = subprocess.run([sys.executable, "-c", killed, "--input", str(tmp_path / "in"), "--out_dir", str(out),
+                        "--append"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 137 and load_meta(out) == first, r.stderr
+    assert len(list(store.files_dir(out, first).iterdir())) > len(list(store.files_dir(ref, first).iterdir()))
+    meta = prepare([tmp_path / "in"], None, out, append=True)
+    want = prepare([tmp_path / "in"], None, ref, append=True)
+    assert meta["shards"] == want["shards"] and meta["splits"] == want["splits"]
+    assert sorted(p.name for p in store.files_dir(out, meta).iterdir()) == \
+        sorted(p.name for p in store.files_dir(ref, want).iterdir())
+
+
 def test_a_second_prepare_of_one_out_dir_waits_for_the_first(tmp_path):
     """Two preparations into one out_dir (two train.py --input runs of one corpus share its cache)
     run one after the other: the second waits for out_dir's lock, where it used to delete the
