@@ -495,17 +495,21 @@ def _from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite
     out.mkdir(parents=True, exist_ok=True)
     ckpt.hold_out_dir(out)  # a folder new at the start is locked once made
     aside = ckpt.set_aside(out) if steps else None  # --overwrite: deleted only once the new one is saved
+    from gpt.tokenizer import HF_FILE, atomic_write_bytes
     try:
+        if tokenizer is not None and tokenizer[1] is not None:  # before the checkpoint that names it: a
+            atomic_write_bytes(out / HF_FILE, tokenizer[1])  # kill between the two left it unreadable
         c = ckpt.Checkpointer(out, keep=1, async_save=False)
         # Orbax refuses an empty pytree, so the (absent) optimizer state is a one-element placeholder;
         # restoring params only (abstract_opt_state=None) never reads it.
         c.save(0, params, {"none": np.zeros((), np.int32)}, meta, val_loss=None)
         c.close()
+    except BaseException:
+        if aside is None and not ckpt.list_steps(out):  # (with --overwrite, settle_aside puts the old one back)
+            (out / HF_FILE).unlink(missing_ok=True)
+        raise
     finally:
         ckpt.settle_aside(out, aside)
-    if tokenizer is not None and tokenizer[1] is not None:
-        from gpt.tokenizer import HF_FILE, atomic_write_bytes
-        atomic_write_bytes(out / HF_FILE, tokenizer[1])
     padding = (cfg.padded_vocab_size - cfg.vocab_size) * cfg.n_embd
     n = sum(int(np.prod(a.shape)) for a in _leaves(params)) - padding
     return (f"converted {hf_dir} ({n / 1e6:.1f}M params, {cfg.n_layer} layers, n_embd {cfg.n_embd}, "

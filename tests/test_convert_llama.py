@@ -227,6 +227,31 @@ def test_hf_tokenizer_bad_input_writes_nothing(tmp_path, monkeypatch):
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*")) == before
 
 
+def test_a_conversion_killed_after_its_save_is_complete(tmp_path):
+    """--from_hf killed once its checkpoint is on disk (a subprocess that exits there, as a kill
+    does: no clean-up runs): the tokenizer.json that checkpoint names is there too (it was written
+    after the save, so the conversion could not sample and a rerun was refused as already done), and
+    an --overwrite killed there replaces the old conversion only with a complete one."""
+    import subprocess
+    import sys
+
+    from gpt.checkpoint import list_steps, load_model
+    from helpers import REPO
+    src, out = tmp_path / "hf", tmp_path / "out"
+    make_hf(src, "qwen2")
+    make_hf_tokenizer(src)
+    killed = ("import os, sys; from gpt import checkpoint as c; close = c.Checkpointer.close; "
+              "c.Checkpointer.close = lambda self: (close(self), os._exit(137)); "
+              "from gpt.convert import main; main(sys.argv[1:])")
+    for extra in ([], ["--overwrite"]):
+        r = subprocess.run([sys.executable, "-c", killed, "--from_hf", str(src), "--out_dir", str(out), *extra],
+                           cwd=REPO, capture_output=True, text=True)
+        assert r.returncode == 137, r.stderr
+        assert list_steps(out) == [0]
+        _, meta, tok = load_model(out, dtype="float32")
+        assert meta["tokenizer"]["kind"] == "hf" and tok.encode("ROMEO")
+
+
 def test_sharded_safetensors_are_read_and_stay_inside(tmp_path):
     """A model saved in shards (model.safetensors.index.json) converts with the same logits, each
     tensor read from the shard the index names; an index naming a file outside its directory, or a
