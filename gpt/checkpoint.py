@@ -241,8 +241,27 @@ class Checkpointer:
         Returns (step, params, opt_state or None, meta).
         """
         steps = [step] if step is not None else sorted(self.manager.all_steps(), reverse=True)
-        if not steps:
-            raise UserError(f"no checkpoint in {self.dir.parent}")
+        for tries_left in reversed(range(READS_BESIDE_A_RUN)):
+            if not steps:
+                raise UserError(f"no checkpoint in {self.dir.parent}")
+            out = self._restore_from(steps, abstract_params, abstract_opt_state, step is None and tries_left > 0)
+            if out is not None:
+                return out
+            _collect_quietly()
+            steps = sorted(list_steps(self.dir.parent), reverse=True)
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def _newer_saved(self, newest: int) -> bool:
+        """Whether a step newer than `newest` was saved since the steps were listed: a reader
+        (sample.py) beside a training run, whose retention deletes older steps once it has saved a
+        newer one, so a step that vanished while read is not damaged (it was reported so, and the
+        reader fell back to an older step, the best: often far older)."""
+        return max(list_steps(self.dir.parent), default=-1) > newest
+
+    def _restore_from(self, steps: list[int], abstract_params: Any, abstract_opt_state: Any | None,
+                      may_list_again: bool) -> tuple[int, Any, Any, dict[str, Any]] | None:
+        """The first of `steps` (newest first) that restores, the damaged ones before it reported;
+        None (with `may_list_again`) if a newer step was saved meanwhile: list the steps again."""
         damaged: list[tuple[int, str]] = []  # (step, why); reported once we know the outcome
         _quiet_abandoned_reads()
         for s in steps:
@@ -257,6 +276,8 @@ class Checkpointer:
             except UserError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure here means a damaged checkpoint
+                if may_list_again and self._newer_saved(steps[0]):
+                    return None  # a running training saved, and its retention deleted s
                 damaged.append((s, _root_cause(e)))
                 folder = self.dir / str(s)
                 _REPORTED_DAMAGED.update(str(p) + os.sep for p in (folder.absolute(), folder.resolve()))
@@ -275,6 +296,9 @@ class Checkpointer:
                             f"or it was written by code that builds the model differently; restore the "
                             f"metadata or use that code (the arrays are intact; nothing was moved or deleted)")
         raise UserError(damaged_message(self.dir.parent, steps, damaged[0][1]))
+
+
+READS_BESIDE_A_RUN = 5  # tries of a reader whose newest step a running training deleted meanwhile
 
 
 # Orbax's own words for arrays that do not fit the requested tree ("... is not compatible with the

@@ -86,6 +86,25 @@ def test_damaged_newest_falls_back_and_is_moved_aside(tmp_path, capsys):
     assert ckpt.list_steps(tmp_path) == [1] and (ckpt.checkpoint_dir(tmp_path) / "2.damaged").is_dir()
 
 
+def test_a_step_deleted_by_a_running_training_is_not_damaged(tmp_path, capsys):
+    """sample.py reading a run while it trains: the newest step it listed is deleted by the run's
+    retention (after saving a newer one) while it reads. That step was reported damaged and the
+    reader fell back to an older one (the best, often hundreds of steps older); it now reads the
+    newest step there is, and says nothing."""
+    save_steps(tmp_path, {1: 1.0, 2: 2.0}, keep=1)
+    reader = ckpt.Checkpointer(tmp_path, read_only=True)
+    restore = reader.manager.restore
+
+    def training_saves_meanwhile(step, *a, **k):
+        if step == 2 and ckpt.list_steps(tmp_path) == [1, 2]:
+            save_steps(tmp_path, {3: 3.0}, keep=1)  # its retention deletes step 2 (1 is the best)
+        return restore(step, *a, **k)
+    reader.manager.restore = training_saves_meanwhile
+    step, params, _, m = reader.restore(abstract(PARAMS))
+    assert step == 3 and m["step"] == 3 and "damaged" not in capsys.readouterr().err
+    np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(PARAMS["w"]) * 3)
+
+
 def test_every_step_damaged_and_missing_are_one_line(tmp_path):
     save_steps(tmp_path, {1: 2.0})
     shutil.rmtree(ckpt.checkpoint_dir(tmp_path) / "1" / "params")
