@@ -28,6 +28,7 @@ GPT-2 layout:
 """
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -394,6 +395,7 @@ def to_hf(params: dict[str, Any], cfg: ModelConfig, hf_dir: str | Path, *, eot_i
     if stop_ids:
         config["eos_token_id"] = [config["eos_token_id"], *stop_ids]
     dest = Path(hf_dir).absolute()
+    recover_killed_write(dest)
     check_hf_dest(dest, overwrite, keep)
     write_model_dir(dest, config, tensors, files or {})
     return dest
@@ -422,13 +424,40 @@ def check_hf_dest(dest: Path, overwrite: bool, keep: Sequence[tuple[str, Path]] 
                             f"another --hf_dir")
 
 
+def recover_killed_write(dest: Path) -> None:
+    """What a `write_model_dir` killed part way left beside `dest`: its temporary copy
+    (.NAME.PID.*.tmp, a whole model's bytes, hidden) is removed, and the previous model, moved to
+    .NAME.old-PID just before the new one took its place, is put back where `dest` is missing.
+    Only the leftovers of processes no longer running are touched."""
+    prefix = f".{dest.name}."
+    for p in sorted(dest.parent.glob(glob.escape(prefix) + "*")):
+        old = p.name.startswith(prefix + "old-")
+        pid = p.name[len(prefix) + 4:] if old else p.name[len(prefix):].split(".")[0]
+        if not pid.isdigit() or _running(int(pid)) or not p.is_dir():
+            continue
+        if old and not dest.exists():
+            os.replace(p, dest)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
 def write_model_dir(dest: Path, config: dict, tensors: dict[str, np.ndarray], files: dict[str, bytes]) -> None:
     """The directory appears complete or not at all: every file is written and synced into a
     temporary sibling directory, which then takes `dest`'s place."""
     from safetensors.numpy import save_file
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent))
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -142,6 +142,30 @@ def test_small_vocab_prefixless_keys_and_buffers(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_an_export_killed_part_way_is_recovered_by_the_next(tmp_path):
+    """An export killed while writing left its hidden temporary copy (a whole model) for good, and
+    one killed between its two renames left the previous export hidden as .NAME.old-PID with no
+    NAME: the next export removes the first and puts the second back (then refuses to replace it
+    without --overwrite). A running process's leftovers are not touched."""
+    import subprocess
+    import sys
+    from helpers import random_params, tiny_model_config
+    cfg = tiny_model_config(vocab_size=64)
+    params = random_params(cfg)
+    first = convert.to_hf(params, cfg, tmp_path / "hf")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    os.replace(first, tmp_path / f".hf.old-{gone.pid}")  # killed between the renames
+    (tmp_path / f".hf.{gone.pid}.x1.tmp").mkdir()  # killed while writing
+    (tmp_path / f".hf.{os.getpid()}.x2.tmp").mkdir()  # this process: still writing, say
+    with pytest.raises(UserError, match="already exists"):
+        convert.to_hf(params, cfg, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".hf.{os.getpid()}.x2.tmp", "hf"]
+    convert.to_hf(params, cfg, tmp_path / "hf", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".hf.{os.getpid()}.x2.tmp", "hf"]
+
+
 def _bad_dirs(root: Path, good: Path) -> dict[str, tuple[list[str], str]]:
     cases: dict[str, tuple[list[str], str]] = {}
     cases["missing_dir"] = (["--from_hf", str(root / "nope")], "does not exist")
