@@ -418,6 +418,10 @@ def describe_missing(out_dir: str | Path, other: str = "pass --out_dir") -> str:
 _HELD: dict[str, int] = {}  # out_dirs whose lock this process holds: resolved path -> descriptor
 
 
+class OutDirInUse(UserError):
+    """Another run holds out_dir's lock: this one must leave out_dir as it found it."""
+
+
 def hold_out_dir(out_dir: str | Path) -> None:
     """Take out_dir's exclusive lock (a flock on the folder itself, held until `release_out_dir` or
     exit) for a process that writes checkpoints there, or refuse with one line if another holds it:
@@ -437,7 +441,7 @@ def hold_out_dir(out_dir: str | Path) -> None:
     except OSError as e:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise UserError(f"--out_dir={out_dir} is in use by another run (train.py or python -m gpt.convert "
+            raise OutDirInUse(f"--out_dir={out_dir} is in use by another run (train.py or python -m gpt.convert "
                             f"holds its lock); wait for it to end, or pick another --out_dir") from None
         return  # a filesystem without flock (the same errors as gpt/data.py's NO_LOCKS)
     _HELD[key] = fd

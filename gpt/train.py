@@ -883,13 +883,17 @@ def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]
     sharding.check_divisibility(s.model_cfg, mesh, t.batch_size)
     check_host_batch(t, s.model_cfg.block_size)
     new_dir = not Path(t.out_dir).exists()
-    out, aside = Path(t.out_dir), None
+    out, aside, ours = Path(t.out_dir), None, True
     try:
         out, aside = prepare_out_dir(s)
         return _run(s, mesh, out, log, aside)
+    except ckpt.OutDirInUse:  # another run's folder (its new one, maybe still empty): left alone
+        ours = False
+        raise
     finally:  # the old checkpoints go once this run has one: else they come back
-        if sharding.is_main_process():
+        if sharding.is_main_process() and ours:
             _clean_up(out, aside, new_dir)
+        if sharding.is_main_process():
             ckpt.release_out_dir(t.out_dir)
 
 

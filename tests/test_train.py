@@ -548,6 +548,22 @@ def test_a_second_run_in_one_out_dir_is_refused(tmp_path, char_data):
     assert second["start_step"] == 2 and ckpt.list_steps(out) == [2, 4]
 
 
+def test_a_run_refused_another_runs_new_out_dir_leaves_it(tmp_path, char_data, monkeypatch):
+    """Two runs starting on an out_dir that did not exist: the one refused the lock once the other
+    had made the folder took the folder for its own new one and removed it while still empty."""
+    from gpt import checkpoint as ckpt
+    out = tmp_path / "o"
+
+    def the_other_run_made_it(s):
+        out.mkdir()
+        raise ckpt.OutDirInUse(f"--out_dir={out} is in use by another run")
+
+    monkeypatch.setattr(T, "prepare_out_dir", the_other_run_made_it)
+    with pytest.raises(UserError, match="in use by another run"):
+        run(out, char_data, "--max_iters=2")
+    assert out.is_dir()
+
+
 def test_document_aligned_rows_train_and_resume_exactly(tmp_path, capsys):
     """--align_documents on a sharded JSONL store: training runs, the waste is reported, and a
     resumed run sees exactly the batches of an uninterrupted one."""
