@@ -78,11 +78,15 @@ def batch_degree(mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
-def check_divisibility(cfg: ModelConfig, mesh: Mesh, global_batch: int) -> None:
+def check_divisibility(cfg: ModelConfig, mesh: Mesh, global_batch: int, resuming: bool = False) -> None:
+    """The mesh splits the batch rows, the experts, the heads and the MLP width evenly. A resumed
+    run keeps its --batch_size, so there the fix is another mesh."""
     dp = batch_degree(mesh)
     if global_batch % dp:
+        fix = (f"pass a --mesh whose data x fsdp x expert divides {global_batch} (a resumed run keeps its "
+               f"--batch_size)" if resuming else f"use a multiple of {dp}")
         raise UserError(f"--batch_size={global_batch} is not divisible by the data-parallel degree "
-                        f"{dp} (data x fsdp x expert); use a multiple of {dp}")
+                        f"{dp} (data x fsdp x expert); {fix}")
     ep = mesh.shape["expert"]
     if cfg.n_expert % ep:
         raise UserError(f"--n_expert={cfg.n_expert} is not divisible by the mesh's expert axis ({ep}); "

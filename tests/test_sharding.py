@@ -519,3 +519,17 @@ def test_chunked_loss_sharded_equals_one_device():
     out = run_on_4_cpu_devices(_CHUNKED_LOSS_SCRIPT)
     for spec, (dl, dg) in out.items():
         assert dl < 1e-5 and dg < 1e-5, (spec, dl, dg)
+
+
+def test_a_resumed_runs_batch_that_the_mesh_does_not_divide_asks_for_another_mesh():
+    """A resumed run keeps its --batch_size, so "use a multiple of 16" led to a second error; the
+    fix there is a mesh that divides the batch."""
+    from types import SimpleNamespace
+    from gpt.errors import UserError
+    from gpt.sharding import check_divisibility
+    from helpers import tiny_model_config
+    mesh = SimpleNamespace(shape={"data": 16, "fsdp": 1, "expert": 1, "tensor": 1})
+    with pytest.raises(UserError, match="degree 16 .*; use a multiple of 16$"):
+        check_divisibility(tiny_model_config(), mesh, 8)
+    with pytest.raises(UserError, match="pass a --mesh whose data x fsdp x expert divides 8 \\(a resumed run"):
+        check_divisibility(tiny_model_config(), mesh, 8, resuming=True)
