@@ -44,7 +44,7 @@ from gpt.ops.dropout import dropout
 from gpt.ops.norm import layer_norm, norm_factors, rms_norm
 from gpt.runtime import Runtime
 
-DYT_ALPHA = 0.5  # DyT's initial alpha (the paper's default)
+INIT_STD = 0.02  # the weights' and embeddings' initial std (GPT-2's)
 
 
 class KVCache(NamedTuple):
@@ -283,8 +283,16 @@ def _norm_params(cfg: ModelConfig) -> tuple[nnx.Param, nnx.Param | None, nnx.Par
     """(scale, bias, alpha) of one norm: RMSNorm has no bias, only DyT has alpha."""
     D = cfg.n_embd
     bias = _param(jnp.zeros((D,)), ("embed",)) if cfg.bias and cfg.norm != "rmsnorm" else None
-    alpha = _param(jnp.full((), DYT_ALPHA), ()) if cfg.norm == "dyt" else None
+    alpha = _param(jnp.full((), dyt_alpha(D)), ()) if cfg.norm == "dyt" else None
     return _param(jnp.ones((D,)), ("embed",)), bias, alpha
+
+
+def dyt_alpha(D: int) -> float:
+    """DyT's initial alpha: 1 / (INIT_STD sqrt(D)), so that tanh(alpha x) starts at the scale a
+    norm gives, on a stream whose embeddings are scaled by sqrt(D) (`GPT.embed_scale`), as the DyT
+    paper's Llama recipe does; it is 0.78 at D = 4096, where that recipe takes 0.8 before attention.
+    The paper's default of 0.5 left the default preset at the unigram loss (BENCHMARKS.md)."""
+    return 1.0 / (INIT_STD * D ** 0.5)
 
 
 def _norm(scale, bias, alpha) -> dict:
@@ -345,18 +353,18 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: lora_lib.LoRAConfig | None = None,
                  moe: bool = False):
         D, H, G, K, F = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.ffn
-        proj_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
+        proj_std = INIT_STD / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale residual projections
         bias = lambda on, shape, axes: _param(jnp.zeros(shape), axes) if on else None
         qkv_bias = cfg.bias or cfg.qkv_bias
         self.ln1_scale, self.ln1_bias, self.ln1_alpha = _norm_params(cfg)
         fused = G == H
-        self.w_qkv = _normal(rngs.params(), (D, 3, H, K), 0.02, ("embed", None, "heads", None)) \
+        self.w_qkv = _normal(rngs.params(), (D, 3, H, K), INIT_STD, ("embed", None, "heads", None)) \
             if fused else None
         self.b_qkv = bias(fused and qkv_bias, (3, H, K), (None, "heads", None))
-        self.w_q = None if fused else _normal(rngs.params(), (D, H, K), 0.02, ("embed", "heads", None))
+        self.w_q = None if fused else _normal(rngs.params(), (D, H, K), INIT_STD, ("embed", "heads", None))
         self.b_q = bias(not fused and qkv_bias, (H, K), ("heads", None))
         self.w_kv = None if fused else \
-            _normal(rngs.params(), (D, 2, G, K), 0.02, ("embed", None, "kv_heads", None))
+            _normal(rngs.params(), (D, 2, G, K), INIT_STD, ("embed", None, "kv_heads", None))
         self.b_kv = bias(not fused and qkv_bias, (2, G, K), (None, "kv_heads", None))
         self.q_norm = _param(jnp.ones((K,)), (None,)) if cfg.qk_norm else None
         self.k_norm = _param(jnp.ones((K,)), (None,)) if cfg.qk_norm else None
@@ -366,12 +374,12 @@ class Block(nnx.Module):
         # A mixture of experts (gpt/moe.py): a router, and the MLP's weights once per expert.
         E, ex = ((cfg.n_expert,), ("expert",)) if moe else ((), ())
         self.moe = moe
-        self.w_router = _normal(rngs.params(), (D, cfg.n_expert), 0.02, ("embed", None)) if moe else None
+        self.w_router = _normal(rngs.params(), (D, cfg.n_expert), INIT_STD, ("embed", None)) if moe else None
         if cfg.mlp == "swiglu":
-            self.w_fc = _normal(rngs.params(), (*E, D, 2, F), 0.02, (*ex, "embed", None, "mlp"))
+            self.w_fc = _normal(rngs.params(), (*E, D, 2, F), INIT_STD, (*ex, "embed", None, "mlp"))
             self.b_fc = bias(cfg.bias, (*E, 2, F), (*ex, None, "mlp"))
         else:
-            self.w_fc = _normal(rngs.params(), (*E, D, F), 0.02, (*ex, "embed", "mlp"))
+            self.w_fc = _normal(rngs.params(), (*E, D, F), INIT_STD, (*ex, "embed", "mlp"))
             self.b_fc = bias(cfg.bias, (*E, F), (*ex, "mlp"))
         self.w_proj = _normal(rngs.params(), (*E, F, D), proj_std, (*ex, "mlp", "embed"))
         self.b_proj = bias(cfg.bias, (*E, D), (*ex, "embed"))
@@ -559,15 +567,18 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.rt = runtime or runtime_lib.resolve(cfg)
         D = cfg.n_embd
-        self.wte = _normal(rngs.params(), (cfg.padded_vocab_size, D), 0.02, ("vocab", "embed"))
-        self.wpe = _normal(rngs.params(), (cfg.block_size, D), 0.02, (None, "embed")) \
+        self.wte = _normal(rngs.params(), (cfg.padded_vocab_size, D), INIT_STD, ("vocab", "embed"))
+        self.wpe = _normal(rngs.params(), (cfg.block_size, D), INIT_STD, (None, "embed")) \
             if cfg.pos_embedding == "learned" else None
         n_moe = len(cfg.moe_layers)
         self.blocks = _stack_blocks(cfg, rngs, lora, n=cfg.n_layer - n_moe)  # dense MLPs
         self.moe_blocks = _stack_blocks(cfg, rngs, lora, n=n_moe, moe=True)  # mixtures of experts
         self.lnf_scale, self.lnf_bias, self.lnf_alpha = _norm_params(cfg)
+        # DyT normalizes nothing, so its stream starts at the embeddings' scale: a learned scalar,
+        # sqrt(D) at first (the DyT paper's Llama recipe), brings it to a norm's (`dyt_alpha`).
+        self.embed_scale = _param(jnp.full((), float(D) ** 0.5), ()) if cfg.norm == "dyt" else None
         self.w_head = None if cfg.tie_embeddings else \
-            _normal(rngs.params(), (cfg.padded_vocab_size, D), 0.02, ("vocab", "embed"))
+            _normal(rngs.params(), (cfg.padded_vocab_size, D), INIT_STD, ("vocab", "embed"))
 
     def __call__(self, idx_BT: jax.Array, *, cache: KVCache | None = None,
                  dropout_key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
@@ -606,6 +617,8 @@ class GPT(nnx.Module):
             x_BTD = x_BTD + self.wpe[...][positions_BT]
         elif cfg.pos_embedding == "sinusoidal":
             x_BTD = x_BTD + sinusoidal(positions_BT, cfg.n_embd)  # rope: inside attention
+        if self.embed_scale is not None:
+            x_BTD = x_BTD * self.embed_scale[...].astype(jnp.float32)
         keys = (None, None) if dropout_key is None else jax.random.split(dropout_key)
         x_BTD = dropout(x_BTD, self.rt.dropout, keys[0]).astype(self.rt.residual)
         x_BTD, cache, stats = self._layers(x_BTD, cache, positions_BT, mask_BTS, keys[1], capacity_factor)
@@ -866,7 +879,7 @@ def num_params(cfg: ModelConfig, *, include_position: bool = True, active: bool 
     experts = cfg.n_expert_per_token if active else cfg.n_expert
     moe_mlp = D * cfg.n_expert + experts * mlp  # router + experts
     total = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2) + L * (2 * norm + attn) + norm \
-        + (L - n_moe) * mlp + n_moe * moe_mlp
+        + (L - n_moe) * mlp + n_moe * moe_mlp + (cfg.norm == "dyt")  # DyT's embed_scale
     if include_position and cfg.pos_embedding == "learned":
         total += cfg.block_size * D
     return int(total)

@@ -577,3 +577,20 @@ def test_decode_kernels_problem_names_what_they_lack():
     dec = M.for_decoding(make(cfg, decode_weights="dot", decode_kernels="interpret"))
     cache = M.init_cache(cfg, 1, 8, jnp.float32)
     assert "pallas_call" not in str(jax.make_jaxpr(lambda c: dec(tokens(1, 1, 65), cache=c))(cache))
+
+
+@pytest.mark.parametrize("D", [64, 256])
+def test_dyt_starts_at_a_norms_scale(D):
+    """DyT's first norm sees the embeddings scaled by sqrt(D) (`embed_scale`) through alpha =
+    1 / (0.02 sqrt(D)): tanh of a unit-scale input, as a norm gives. With the paper's alpha of 0.5
+    and no scale it gave about 1% of that, and the default preset stalled at the unigram loss."""
+    cfg = tiny_model_config(norm="dyt", n_embd=D, vocab_size=61)
+    model = tiny_gpt(cfg)
+    x_BTD = model.wte[...][tokens(4, 16, 61)] * model.embed_scale[...]
+    alpha = model.blocks.ln1_alpha[...][0]  # the first block's (the blocks are stacked)
+    assert np.isclose(alpha, M.dyt_alpha(D)) and np.isclose(model.embed_scale[...], D ** 0.5)
+    h = M.dyt(x_BTD, alpha, jnp.ones((D,)), None)
+    rms = float(jnp.sqrt(jnp.mean(h ** 2)))
+    assert 0.5 < rms < 0.8, rms  # E[tanh(z)^2] ~ 0.39 for z ~ N(0, 1)
+    held = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert M.num_params(cfg) == held - (cfg.padded_vocab_size - cfg.vocab_size) * D  # embed_scale counted
