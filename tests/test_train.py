@@ -548,6 +548,29 @@ def test_a_second_run_in_one_out_dir_is_refused(tmp_path, char_data):
     assert second["start_step"] == 2 and ckpt.list_steps(out) == [2, 4]
 
 
+def test_a_train_refused_before_it_starts_releases_the_lock(tmp_path, char_data):
+    """The Python API: prepare_setup takes out_dir's lock; a train() that then refuses the mesh
+    (before its try) left it held, so another process was told the folder is in use by another
+    run for as long as this one lived."""
+    import fcntl
+
+    import jax
+
+    from gpt import checkpoint as ckpt
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=2", "--eval_interval=2")
+    s = T.prepare_setup(*configs(out, char_data, "--max_iters=4", "--eval_interval=2", "--init_from=resume",
+                                 f"--mesh=data:{2 * len(jax.devices())}"))
+    with pytest.raises(UserError, match="devices"):
+        T.train(s)
+    assert str(out.resolve()) not in ckpt._HELD
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file: another run's try
+    finally:
+        os.close(fd)
+
+
 def test_a_run_refused_another_runs_new_out_dir_leaves_it(tmp_path, char_data, monkeypatch):
     """Two runs starting on an out_dir that did not exist: the one refused the lock once the other
     had made the folder took the folder for its own new one and removed it while still empty."""
