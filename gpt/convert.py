@@ -32,6 +32,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -429,11 +430,15 @@ def recover_killed_write(dest: Path) -> None:
     (.NAME.PID.*.tmp, a whole model's bytes, hidden) is removed, and the previous model, moved to
     .NAME.old-PID just before the new one took its place, is put back where `dest` is missing.
     Only the leftovers of processes no longer running are touched."""
-    prefix = f".{dest.name}."
-    for p in sorted(dest.parent.glob(glob.escape(prefix) + "*")):
-        old = p.name.startswith(prefix + "old-")
-        pid = p.name[len(prefix) + 4:] if old else p.name[len(prefix):].split(".")[0]
-        if not pid.isdigit() or _running(int(pid)) or not p.is_dir():
+    # Exactly the names write_model_dir gives (mkdtemp's random part is [a-z0-9_]): a looser match
+    # took a sibling export's (`dest.name` + ".5": ".NAME.5.old-PID") or a user's ".NAME.2024".
+    ours = re.compile(rf"\.{re.escape(dest.name)}\.(?:old-(?P<old>[0-9]{{1,9}})|(?P<pid>[0-9]{{1,9}})\.[a-z0-9_]+\.tmp)")
+    for p in sorted(dest.parent.glob(glob.escape(f".{dest.name}.") + "*")):
+        m = ours.fullmatch(p.name)
+        if m is None or not p.is_dir():
+            continue
+        old, pid = m["old"] is not None, m["old"] or m["pid"]
+        if _running(int(pid)):
             continue
         if old and not dest.exists():
             os.replace(p, dest)

@@ -166,6 +166,26 @@ def test_an_export_killed_part_way_is_recovered_by_the_next(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".hf.{os.getpid()}.x2.tmp", "hf"]
 
 
+def test_recovery_touches_only_this_exports_leftovers(tmp_path):
+    """Recovering --hf_dir=hf left alone what only looks alike: a sibling export's (hf.31000's
+    previous model hidden as .hf.31000.old-PID when killed between its renames, which recovering
+    hf.31000 puts back) and a user's own hidden folders (.hf.2024, .hf.123.tmp); it read the
+    number after `.hf.` as a PID and deleted them where no such process ran."""
+    import subprocess
+    import sys
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    theirs = [f".hf.31000.old-{gone.pid}", f".hf.31000.{gone.pid}.abcd1234.tmp", ".hf.2024", ".hf.123.tmp"]
+    for name in theirs:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x")
+    convert.recover_killed_write(tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(theirs)
+    convert.recover_killed_write(tmp_path / "hf.31000")  # its own: the previous model comes back
+    assert (tmp_path / "hf.31000" / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hf.123.tmp", ".hf.2024", "hf.31000"]
+
+
 def _bad_dirs(root: Path, good: Path) -> dict[str, tuple[list[str], str]]:
     cases: dict[str, tuple[list[str], str]] = {}
     cases["missing_dir"] = (["--from_hf", str(root / "nope")], "does not exist")
