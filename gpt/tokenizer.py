@@ -262,7 +262,14 @@ class RowText:
     and the prompt's."""
 
     def __init__(self, tok: Tokenizer, prompt: list[int]):
-        self.tok, self.context = tok, list(prompt[-CONTEXT_TOKENS:])
+        # From a token of settled text on: a window that began inside a byte-fallback run (the
+        # decoder turns the whole run, the new tokens' bytes too, into U+FFFD) or held only tokens
+        # that decode to nothing (the decoder strips the new text's leading space) decoded the
+        # new tokens otherwise than the prompt and them as a whole.
+        start = max(0, len(prompt) - CONTEXT_TOKENS)
+        while start > 0 and not tok.settled(prompt[start:start + 1]):
+            start -= 1
+        self.tok, self.context = tok, list(prompt[start:])
         self.done, self.kept = 0, ""  # new tokens whose text is final, and that text
 
     def text(self, new: list[int]) -> str:

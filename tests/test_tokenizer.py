@@ -402,3 +402,20 @@ def test_sampled_text_is_decoded_once_and_as_a_whole(tmp_path):
         assert counting.decoded < 4 * len(new) + 20 * (len(new) + 1)
     assert continuation(fallback, [1], new[:4]) == "a你"  # until a byte after it makes the run not UTF-8
     assert continuation(fallback, [1], new) == "a" + "\ufffd" * 4 + "a你"
+
+
+def test_streamed_text_after_a_prompt_ending_in_byte_tokens_or_specials(tmp_path):
+    """RowText's first window is the prompt's last tokens: one that began inside a byte-fallback
+    run (a prompt ending in three CJK characters of byte tokens) decoded the sample's own bytes of
+    that run as U+FFFD, and one of special tokens only lost the sample's leading space to the
+    decoder's Strip; the text is the one the prompt and the sample decode to together."""
+    from tokenizers import Tokenizer, decoders, models
+    vocab = {"<s>": 0, "\u2581a": 1, "b": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    hf = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+    hf.add_special_tokens(["<s>"])
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tok = HFTokenizer(hf, hf, {"vocab_size": len(vocab)})
+    utf8 = lambda s: [3 + b for b in s.encode()]
+    for prompt, new in (([1, *utf8("\u4f60\u597d\u4f60")], [*utf8("\u597d"), 1]), ([1, 2, *[0] * 8], [1, 2])):
+        assert RowText(tok, prompt).text(new) == continuation(tok, prompt, new), prompt
