@@ -442,7 +442,7 @@ def hold_out_dir(out_dir: str | Path) -> None:
         os.close(fd)
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise OutDirInUse(f"--out_dir={out_dir} is in use by another run (train.py or python -m gpt.convert "
-                            f"holds its lock); wait for it to end, or pick another --out_dir") from None
+                              f"holds its lock); wait for it to end, or pick another --out_dir") from None
         return  # a filesystem without flock (the same errors as gpt/data.py's NO_LOCKS)
     _HELD[key] = fd
 

@@ -432,7 +432,8 @@ def recover_killed_write(dest: Path) -> None:
     Only the leftovers of processes no longer running are touched."""
     # Exactly the names write_model_dir gives (mkdtemp's random part is [a-z0-9_]): a looser match
     # took a sibling export's (`dest.name` + ".5": ".NAME.5.old-PID") or a user's ".NAME.2024".
-    ours = re.compile(rf"\.{re.escape(dest.name)}\.(?:old-(?P<old>[0-9]{{1,9}})|(?P<pid>[0-9]{{1,9}})\.[a-z0-9_]+\.tmp)")
+    ours = re.compile(rf"\.{re.escape(dest.name)}\."
+                      rf"(?:old-(?P<old>[0-9]{{1,9}})|(?P<pid>[0-9]{{1,9}})\.[a-z0-9_]+\.tmp)")
     for p in sorted(dest.parent.glob(glob.escape(f".{dest.name}.") + "*")):
         m = ours.fullmatch(p.name)
         if m is None or not p.is_dir():
