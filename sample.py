@@ -105,8 +105,8 @@ def main(argv: Sequence[str]) -> int:
             state = stream_one(sampler, state, shown, texts, cfg.stop)
         else:
             state = print_all(sampler, state, shown, texts)
-    stats = sampler.stats(state) if cfg.draft_out_dir else {"drafted": 0}
-    if stats["drafted"]:  # no rounds (--max_new_tokens=0, a prompt past the window): nothing to say
+    # no note without rounds (--max_new_tokens=0, a prompt past the window): nothing to say
+    if cfg.draft_out_dir and (stats := sampler.stats(state))["drafted"]:
         print(f"note: speculative decoding: the target kept {100 * stats['acceptance_rate']:.0f}% of "
               f"the draft's {stats['drafted']} tokens", file=sys.stderr)
     return 0

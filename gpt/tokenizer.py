@@ -262,14 +262,8 @@ class RowText:
     and the prompt's."""
 
     def __init__(self, tok: Tokenizer, prompt: list[int]):
-        # From a token of settled text on: a window that began inside a byte-fallback run (the
-        # decoder turns the whole run, the new tokens' bytes too, into U+FFFD) or held only tokens
-        # that decode to nothing (the decoder strips the new text's leading space) decoded the
-        # new tokens otherwise than the prompt and them as a whole.
-        start = max(0, len(prompt) - CONTEXT_TOKENS)
-        while start > 0 and not tok.settled(prompt[start:start + 1]):
-            start -= 1
-        self.tok, self.context = tok, list(prompt[start:])
+        self.tok = tok
+        self.context = self._window(prompt)
         self.done, self.kept = 0, ""  # new tokens whose text is final, and that text
 
     def text(self, new: list[int]) -> str:
@@ -277,9 +271,19 @@ class RowText:
         rest = new[self.done:]
         text = self.kept + continuation(self.tok, self.context, rest)
         if not text.endswith("\ufffd") and self.tok.settled(rest):  # final: later tokens keep it
-            self.context = (self.context + rest)[-CONTEXT_TOKENS:]
+            self.context = self._window(self.context + rest)
             self.done, self.kept = len(new), text
         return text
+
+    def _window(self, ids: list[int]) -> list[int]:
+        """The last CONTEXT_TOKENS of `ids`, from a token of settled text on: a window that began
+        inside a byte-fallback run (the decoder turns the whole run, the new tokens' bytes too,
+        into U+FFFD) or held only tokens that decode to nothing (the decoder strips the new text's
+        leading space) decoded the new tokens otherwise than all the tokens as a whole."""
+        start = max(0, len(ids) - CONTEXT_TOKENS)
+        while start > 0 and not self.tok.settled(ids[start:start + 1]):
+            start -= 1
+        return list(ids[start:])
 
 
 # ---------------------------------------------------------------------------------------------

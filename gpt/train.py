@@ -879,26 +879,22 @@ def log_and_evaluate(run: Run, state: State, metrics: dict, prog: Progress, at_l
 def train(s: Setup, log: Callable[[str], None] = sharding.log) -> dict[str, Any]:
     """Run training in out_dir; --overwrite's old checkpoints are dropped only if this run saved."""
     t = s.train_cfg
-    try:  # the mesh is validated before anything touches out_dir
-        mesh = sharding.make_mesh(t.mesh)
-        sharding.check_divisibility(s.model_cfg, mesh, t.batch_size, resuming=t.init_from == "resume")
-        check_host_batch(t, s.model_cfg.block_size)
-    except BaseException:  # prepare_setup's lock is not held past a refusal (the Python API goes on)
-        ckpt.release_out_dir(t.out_dir)
-        raise
     new_dir = not Path(t.out_dir).exists()
     out, aside, ours = Path(t.out_dir), None, True
     try:
+        mesh = sharding.make_mesh(t.mesh)  # the mesh is validated before anything touches out_dir
+        sharding.check_divisibility(s.model_cfg, mesh, t.batch_size, resuming=t.init_from == "resume")
+        check_host_batch(t, s.model_cfg.block_size)
         out, aside = prepare_out_dir(s)
         return _run(s, mesh, out, log, aside)
     except ckpt.OutDirInUse:  # another run's folder (its new one, maybe still empty): left alone
         ours = False
         raise
     finally:  # the old checkpoints go once this run has one: else they come back
-        if sharding.is_main_process() and ours:
-            _clean_up(out, aside, new_dir)
         if sharding.is_main_process():
-            ckpt.release_out_dir(t.out_dir)
+            if ours:
+                _clean_up(out, aside, new_dir)
+            ckpt.release_out_dir(t.out_dir)  # prepare_setup's lock, also after a refusal above
 
 
 def check_host_batch(t: TrainConfig, block_size: int) -> None:
