@@ -447,6 +447,12 @@ def hold_out_dir(out_dir: str | Path) -> None:
     _HELD[key] = fd
 
 
+def holds_out_dir(out_dir: str | Path) -> bool:
+    """Whether this process holds out_dir's lock already (from an earlier `hold_out_dir`): a caller
+    that fails must then leave it held, as it did not take it."""
+    return str(Path(out_dir).resolve()) in _HELD
+
+
 def release_out_dir(out_dir: str | Path) -> None:
     fd = _HELD.pop(str(Path(out_dir).resolve()), None)
     if fd is not None:

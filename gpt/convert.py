@@ -489,12 +489,15 @@ def write_model_dir(dest: Path, config: dict, tensors: dict[str, np.ndarray], fi
 
 
 def from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> str:
-    """--from_hf, holding out_dir's lock (`ckpt.hold_out_dir`: no training run writes there meanwhile)."""
+    """--from_hf, holding out_dir's lock (`ckpt.hold_out_dir`: no training run writes there meanwhile;
+    a lock this process held before the call stays held)."""
     from gpt import checkpoint as ckpt
+    held = ckpt.holds_out_dir(out_dir)
     try:
         return _from_hf_to_checkpoint(hf_dir, out_dir, overwrite=overwrite)
     finally:
-        ckpt.release_out_dir(out_dir)
+        if not held:
+            ckpt.release_out_dir(out_dir)
 
 
 def _from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> str:

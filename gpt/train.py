@@ -249,13 +249,16 @@ def init_source(init_from: str) -> Path:
 def prepare_setup(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[str]) -> Setup:
     """Resolve data, vocabulary and the starting point; every user mistake raises UserError here.
     In a multi-host job every process does the same, and a mistake on any stops them all.
-    out_dir's lock (`ckpt.hold_out_dir`) is taken here and held until `train` ends."""
+    out_dir's lock (`ckpt.hold_out_dir`) is taken here and held until `train` ends; a refusal
+    releases it unless this process held it before (an earlier setup of the same out_dir)."""
+    held = ckpt.holds_out_dir(t.out_dir)
     try:
         m, c, t, meta_ck = sharding.all_or_none(lambda: _starting_point(m, c, t, explicit))
         data_dir = resolve_data(t)
         return sharding.all_or_none(lambda: _with_data(m, c, t, explicit, data_dir, meta_ck))
     except BaseException:
-        ckpt.release_out_dir(t.out_dir)
+        if not held:
+            ckpt.release_out_dir(t.out_dir)
         raise
 
 

@@ -571,6 +571,30 @@ def test_a_train_refused_before_it_starts_releases_the_lock(tmp_path, char_data)
         os.close(fd)
 
 
+def test_a_second_setup_refused_keeps_the_first_setups_lock(tmp_path, char_data):
+    """The Python API: a second prepare_setup of the same out_dir in one process that fails must not
+    release the lock the first setup took (the lock is re-entrant without a count), or another
+    process could start writing there beside the first setup's run."""
+    import fcntl
+
+    from gpt import checkpoint as ckpt
+    out = tmp_path / "o"
+    run(out, char_data, "--max_iters=2", "--eval_interval=2")
+    first = T.prepare_setup(*configs(out, char_data, "--max_iters=4", "--eval_interval=2", "--init_from=resume"))
+    assert ckpt.holds_out_dir(out)
+    with pytest.raises(UserError, match="--overwrite starts over"):
+        T.prepare_setup(*configs(out, char_data, "--init_from=resume", "--overwrite"))
+    assert ckpt.holds_out_dir(out)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another open file: another run's try
+    finally:
+        os.close(fd)
+    assert T.train(first)["start_step"] == 2
+    assert not ckpt.holds_out_dir(out)
+
+
 def test_a_run_refused_another_runs_new_out_dir_leaves_it(tmp_path, char_data, monkeypatch):
     """Two runs starting on an out_dir that did not exist: the one refused the lock once the other
     had made the folder took the folder for its own new one and removed it while still empty."""
