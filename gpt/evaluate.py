@@ -7,72 +7,85 @@ token, which is context only (it has no bytes), or for a tokenizer without one (
 The stream is scored in consecutive non-overlapping windows of `block_size + 1` tokens, so every
 token is predicted once (the stream's very first one, without an end-of-text token, is not). Bits
 per byte divide the total bits by the UTF-8 bytes of the text they predict, which makes models with
-different tokenizers comparable.
+different tokenizers comparable. The input streams through (a piece of text, its ids and a batch of
+windows at a time), so an input of any size fits in memory.
 """
 from __future__ import annotations
 
 import json
 import math
 import sys
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from gpt.errors import ArgParser, UserError, run_main
 
 LOGITS_BUDGET = 256 << 20  # bytes of float32 logits a batch of windows may hold
+WINDOW_TOKENS = 8192  # and tokens, at most (the earlier 8 windows at T = 1,024; fewer windows at longer T)
 
 
-def read_documents(paths: Sequence[str], reading, include) -> tuple[list[str], int]:
-    """The inputs' documents, by `gpt.corpus`, and the UTF-8 bytes of their text (as read: after
-    --errors=replace, without a byte-order mark; the same for every format)."""
-    from gpt.corpus import iter_corpus, make_sources, resolve_inputs
+def input_sources(paths: Sequence[str], include) -> list:
+    """The inputs' files (`gpt.corpus`), found before the model is loaded: a wrong path is told at
+    once."""
+    from gpt.corpus import make_sources, resolve_inputs
     try:
-        sources = make_sources(resolve_inputs(paths, include))
-        docs: list[list[str]] = []
-        n_bytes = 0
-        for _, _, text, first in iter_corpus(sources, reading, sum(s.size for s in sources) + 1):
-            if first or not docs:
-                docs.append([])
-            docs[-1].append(text)
-            n_bytes += len(text.encode("utf-8"))
+        return make_sources(resolve_inputs(paths, include))
     except OSError as e:
-        raise UserError(f"cannot read {e.filename or ', '.join(map(str, paths))} ({e.strerror}); check "
-                        f"the path and its permissions") from None
-    return ["".join(d) for d in docs], n_bytes
+        raise _unreadable(paths, e) from None
 
 
-def token_stream(docs: list[str], tok) -> tuple[np.ndarray, np.ndarray]:
-    """The documents' ids as one stream, and which of them are scored: each document's own (after
-    an end-of-text token where the tokenizer has one, as training separates documents)."""
-    ids, scored = [], []
-    for d in docs:
-        if tok.eot_id is not None:
-            ids.append(np.array([tok.eot_id]))
-            scored.append(np.zeros(1, bool))
-        ids.append(np.asarray(tok.encode(d), np.int64))
-        scored.append(np.ones(len(ids[-1]), bool))
-    if not ids:
-        return np.zeros(0, np.int64), np.zeros(0, bool)
-    return np.concatenate(ids), np.concatenate(scored)
+def _unreadable(paths: Sequence[str], e: OSError) -> UserError:
+    return UserError(f"cannot read {e.filename or ', '.join(map(str, paths))} ({e.strerror}); check "
+                     f"the path and its permissions")
 
 
-def score_tokens(model, ids: np.ndarray, scored: np.ndarray | None = None) -> tuple[float, int]:
-    """(sum of next-token losses in nats, number of predicted tokens) over windows of the ids;
-    `scored` [N] says which ids count as targets (default: all). The windows are padded to one
-    shape (the padding unscored), so that one program is compiled."""
+def token_pieces(sources: list, reading, tok, paths: Sequence[str] = ()
+                 ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """(ids, scored, n_bytes) for each piece of the sources, read by `gpt.corpus` and tokenized piece
+    by piece as `gpt.data` tokenizes a corpus (pieces are cut where that changes no token), so that
+    memory stays bounded on any input. `scored` says which ids count as targets: a document's own,
+    not the end-of-text token put before it where the tokenizer has one (as training separates
+    documents). n_bytes: the piece's UTF-8 bytes as read (after --errors=replace, without a
+    byte-order mark; the same for every format)."""
+    from gpt.corpus import iter_corpus
+    try:
+        for _, _, text, first in iter_corpus(sources, reading, sum(s.size for s in sources) + 1):
+            ids = tok.encode_array(text, np.int64)
+            scored = np.ones(len(ids), bool)
+            if first and tok.eot_id is not None:
+                ids, scored = np.concatenate([[tok.eot_id], ids]), np.concatenate([[False], scored])
+            yield ids, scored, len(text.encode("utf-8"))
+    except OSError as e:
+        raise _unreadable(paths, e) from None
+
+
+def score_stream(model, pieces: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[float, int]:
+    """(sum of next-token losses in nats, number of predicted tokens) over consecutive windows of
+    `block_size + 1` tokens of the pieces' ids run together, each window's last id the next one's
+    first; `scored` [N] of each piece says which of its ids count as targets. Batches of windows
+    are scored as the stream arrives (at most a batch and a piece are held), padded to one shape
+    (the padding unscored), so that one program is compiled."""
+    T, V = model.cfg.block_size, model.cfg.padded_vocab_size
+    rows = max(1, min(WINDOW_TOKENS // T, LOGITS_BUDGET // (T * V * 4)))
+    nats = _window_loss(model)
+    total, n_pred, span = 0.0, 0, rows * T + 1
+    ids, scored = np.zeros(0, np.int64), np.zeros(0, bool)
+    for piece_ids, piece_scored in pieces:
+        ids, scored = np.concatenate([ids, piece_ids]), np.concatenate([scored, piece_scored])
+        while len(ids) >= span:  # a whole batch: score it, keep its last id as the next one's context
+            total, n_pred = _add(nats, rows, T, ids[:span], scored[:span], total, n_pred)
+            ids, scored = ids[span - 1:], scored[span - 1:]
+    if len(ids) > 1:
+        total, n_pred = _add(nats, rows, T, ids, scored, total, n_pred)
+    return total, n_pred
+
+
+def _window_loss(model):
+    """A jitted (params, x_BT, y_BT, w_BT) -> summed nats of the w_BT targets, with the params."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
-
-    T, V = model.cfg.block_size, model.cfg.padded_vocab_size
-    scored = np.ones(len(ids), bool) if scored is None else scored
-    n_windows = -(-max(len(ids) - 1, 0) // T)
-    rows = max(1, min(8, LOGITS_BUDGET // (T * V * 4)))
-    n_rows = -(-n_windows // rows) * rows
-    x, y = np.zeros((n_rows * T + 1,), np.int32), np.zeros((n_rows * T + 1,), bool)
-    x[:len(ids)], y[:len(ids)] = ids, scored
-    y[0] = False  # the first id is never predicted
     graphdef, params = nnx.split(model)
 
     @jax.jit
@@ -81,11 +94,21 @@ def score_tokens(model, ids: np.ndarray, scored: np.ndarray | None = None) -> tu
         target_BT = jnp.take_along_axis(logits_BTV, y_BT[..., None], axis=-1)[..., 0]
         return jnp.sum(jnp.where(w_BT, jax.nn.logsumexp(logits_BTV, axis=-1) - target_BT, 0.0))
 
-    inputs, targets, weights = (a.reshape(n_rows, T) for a in (x[:-1], x[1:], y[1:]))
-    total = 0.0
-    for b in range(0, n_rows, rows):
-        total += float(nats(params, *(jnp.asarray(a[b:b + rows]) for a in (inputs, targets, weights))))
-    return total, int(weights.sum())
+    return lambda *a: nats(params, *a)
+
+
+def _add(nats, rows: int, T: int, ids: np.ndarray, scored: np.ndarray, total: float, n_pred: int
+         ) -> tuple[float, int]:
+    """`total` and `n_pred` with the windows of ids[:rows*T+1] added (the rest padded, unscored)."""
+    x, y = np.zeros((rows * T + 1,), np.int32), np.zeros((rows * T + 1,), bool)
+    x[:len(ids)], y[:len(ids)] = ids, scored
+    inputs, targets, weights = (a.reshape(rows, T) for a in (x[:-1], x[1:], y[1:]))
+    return total + float(nats(inputs, targets, weights)), n_pred + int(weights.sum())
+
+
+def score_tokens(model, ids: np.ndarray, scored: np.ndarray | None = None) -> tuple[float, int]:
+    """`score_stream` of one array of ids (`scored` default: all)."""
+    return score_stream(model, [(ids, np.ones(len(ids), bool) if scored is None else scored)])
 
 
 def evaluate_text(out_dir: str, paths: Sequence[str], dtype: str = "auto", errors: str = "strict",
@@ -93,13 +116,22 @@ def evaluate_text(out_dir: str, paths: Sequence[str], dtype: str = "auto", error
     from gpt.checkpoint import load_model
     from gpt.corpus import DEFAULT_INCLUDE, Reading
 
-    docs, n_bytes = read_documents(paths, Reading(errors, text_field, skip_bad_records),
-                                   include or DEFAULT_INCLUDE)
+    sources = input_sources(paths, include or DEFAULT_INCLUDE)
     model, meta, tok = load_model(out_dir, dtype)
-    ids, scored = token_stream(docs, tok)
-    if len(ids) and scored[0]:  # no end-of-text token before it: its bytes are not predicted
-        n_bytes -= len(tok.decode([int(ids[0])]).encode("utf-8"))
-    loss_sum, n_pred = score_tokens(model, ids, scored)
+    seen = {"bytes": 0, "first": None}
+
+    def counted(pieces):
+        for ids, scored, n_bytes in pieces:
+            seen["bytes"] += n_bytes
+            if seen["first"] is None and len(ids):
+                seen["first"] = (int(ids[0]), bool(scored[0]))
+            yield ids, scored
+
+    reading = Reading(errors, text_field, skip_bad_records)
+    loss_sum, n_pred = score_stream(model, counted(token_pieces(sources, reading, tok, paths)))
+    n_bytes = seen["bytes"]
+    if seen["first"] is not None and seen["first"][1]:  # no end-of-text token before it: not predicted
+        n_bytes -= len(tok.decode([seen["first"][0]]).encode("utf-8"))
     if n_pred == 0:
         raise UserError(f"{', '.join(map(str, paths))} holds fewer than 2 tokens; nothing to evaluate")
     loss = loss_sum / n_pred

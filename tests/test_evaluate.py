@@ -77,6 +77,23 @@ def test_files_formats_and_folders_read_as_training_reads_them(tmp_path, trained
         assert abs(got["loss"] - want["loss"]) < 1e-5 and abs(got["bpb"] - want["bpb"]) < 1e-5, inputs
 
 
+def test_a_file_read_in_many_pieces_scores_as_one(tmp_path, trained, monkeypatch):
+    """gpt.evaluate streams: a file is read, tokenized and scored piece by piece (memory bounded on
+    any input, where it held the whole text and its ids), and pieces of 200 bytes give the figures
+    of one piece."""
+    from gpt import corpus
+    from gpt.evaluate import evaluate_text
+    f = tmp_path / "t.txt"
+    f.write_text((REPO / "data" / "shakespeare.txt").read_text()[:3000])
+    want = evaluate_text(str(trained), [str(f)], "float32")
+    monkeypatch.setattr(corpus, "CHUNK_BYTES", 200)
+    pieces = list(corpus.iter_file_pieces(f, "strict"))
+    assert len(pieces) > 10
+    got = evaluate_text(str(trained), [str(f)], "float32")
+    assert (got["tokens"], got["bytes"]) == (want["tokens"], want["bytes"]) == (2999, 2999)
+    assert abs(got["loss"] - want["loss"]) < 1e-6
+
+
 def test_documents_follow_an_end_of_text_token_which_is_not_scored(tmp_path):
     """With a tokenizer that has one (gpt2), each document is predicted from an end-of-text token,
     as training separates documents, and that token (no bytes) is not a target."""
