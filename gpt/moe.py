@@ -208,5 +208,7 @@ def moe_mlp(h_BTD: jax.Array, p: dict, cfg: ModelConfig, dtype, capacity_factor:
     y_EBCD = constrain(expert_mlp(x_EBCD, p, cfg, dtype).astype(dtype), mesh, EXPERT_LAYOUT)
     y_BECD = constrain(jnp.swapaxes(y_EBCD, 0, 1), mesh, TOKEN_LAYOUT)
     aux, load_E = load_balancing_loss(jax.nn.softmax(logits_BTE, axis=-1), experts_BTX)
-    stats = MoEStats(aux, z_loss(logits_BTE), 1.0 - jnp.mean(kept_BTX.astype(jnp.float32)), load_E)
+    # The mean of the dropped choices, not 1 - the kept share: mean(ones) rounds to 1 +- 6e-8 at
+    # some sizes, which logged a nonzero (or negative) share when nothing can drop.
+    stats = MoEStats(aux, z_loss(logits_BTE), jnp.mean((~kept_BTX).astype(jnp.float32)), load_E)
     return combine(y_BECD, index_BTX, gates_BTX), stats
