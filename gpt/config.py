@@ -523,11 +523,17 @@ def schedule_warnings(t: TrainConfig) -> list[str]:
     return out
 
 
-def check_moe_flags(m: ModelConfig, t: TrainConfig, explicit: set[str]) -> None:
-    """A mixture-of-experts setting on a dense model from scratch would be silently ignored."""
+def check_moe_flags(m: ModelConfig, t: TrainConfig, explicit: set[str], loaded: bool = False) -> None:
+    """A mixture-of-experts setting on a dense model would be silently ignored. The flags alone
+    know the model of a run from scratch only; `loaded`: `m` is the checkpoint's (--init_from's,
+    a LoRA run's base or the resumed run's), whose architecture no flag changes."""
     given = sorted(k for k in MOE_FLAGS if k in explicit)
-    if given and not m.n_expert and t.init_from == "scratch":
+    if not given or m.n_expert or not (loaded or t.init_from == "scratch"):
+        return
+    if t.init_from == "scratch":
         raise UserError(f"--{given[0]} needs --n_expert=N (a mixture-of-experts model)")
+    raise UserError(f"--{given[0]} is a mixture-of-experts setting, and the model of --init_from={t.init_from} "
+                    f"is dense (n_expert=0); drop the flag")
 
 
 def validate_compute(c: ComputeConfig) -> ComputeConfig:

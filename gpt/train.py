@@ -35,7 +35,8 @@ from gpt import store
 from gpt import metrics as metrics_lib
 from gpt import moe as moe_lib
 from gpt import sharding
-from gpt.config import ComputeConfig, ModelConfig, TrainConfig, model_from_dict, schedule_warnings, to_dict
+from gpt.config import (ComputeConfig, ModelConfig, TrainConfig, check_moe_flags, model_from_dict,
+                        schedule_warnings, to_dict)
 from gpt.errors import UserError, finite_number
 from gpt.model import GPT, abstract_model, flops_per_token, num_params
 from gpt.ops.cross_entropy import cross_entropy  # noqa: F401 - re-exported (the tests use it)
@@ -366,6 +367,7 @@ def _with_data(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[s
         raise UserError(f"the model's vocabulary ({m.vocab_size}) is smaller than the data's "
                         f"({meta['vocab_size']}); prepare the data with the model's tokenizer")
     data_lib.check_split_sizes(meta, m.block_size)
+    check_moe_flags(m, t, explicit, loaded=t.init_from != "scratch")
     if t.align_documents and meta["format_version"] < 2:
         raise UserError(f"{str(data_dir)!r} has no document index (a single-file data dir, format version 1), "
                         f"which --align_documents needs; prepare the data again with python -m gpt.data")

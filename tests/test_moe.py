@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from functools import partial
 
 import jax
@@ -308,6 +309,19 @@ def test_sample_and_refusals(moe_run, char_data, capsys, tmp_path):
         T.prepare_setup(*configs(tmp_path / "lora", char_data, f"--init_from={out}", "--lora_rank=2"))
     with pytest.raises(UserError, match="exporting them to Hugging Face is not supported"):
         checkpoint_to_hf(out, tmp_path / "hf")
+
+
+def test_moe_settings_on_a_dense_checkpoint_are_refused(char_data, tmp_path):
+    """Fine-tuning or resuming a dense model with a mixture-of-experts training setting is one
+    line (the flag used to be ignored: the run trained without it and exited 0)."""
+    dense = tmp_path / "dense"
+    run(dense, char_data, "--max_iters=1", "--eval_interval=1", "--eval_iters=1")
+    with pytest.raises(UserError, match=f"--moe_aux_loss_coef is a mixture-of-experts setting, and the "
+                                        f"model of --init_from={re.escape(str(dense))} is dense"):
+        T.prepare_setup(*configs(tmp_path / "ft", char_data, f"--init_from={dense}", "--moe_aux_loss_coef=0.5"))
+    with pytest.raises(UserError, match="--expert_capacity_factor is a mixture-of-experts setting"):
+        T.prepare_setup(*configs(dense, char_data, "--init_from=resume", "--expert_capacity_factor=1.25"))
+    T.prepare_setup(*configs(tmp_path / "ft2", char_data, f"--init_from={dense}"))  # without: as before
 
 
 @pytest.mark.parametrize("argv,words", [
