@@ -39,6 +39,12 @@ def _number(d: dict[str, Any], key: str, where: str, integer: bool = False) -> f
     return v
 
 
+def _optional_int(hf: dict[str, Any], key: str, default: int, where: str) -> int:
+    """hf[key], or `default` where it is absent or null (as transformers reads it). A value that
+    is set must be a positive integer: `hf.get(key) or default` took 0 for unset and True for 1."""
+    return default if hf.get(key) is None else int(_number(hf, key, where, integer=True))
+
+
 def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """Our RoPE fields from the config: rope_theta (top level, or transformers 5's rope_parameters)
     and the scaling of rope_parameters or the older rope_scaling. Linear and Llama 3's scaling are
@@ -117,11 +123,12 @@ def config_from_hf(hf: dict[str, Any], where: str, get_int: Callable[..., int]) 
     model_type = hf["model_type"]
     _check_unsupported(hf, model_type, where)
     D, H = get_int("hidden_size"), get_int("num_attention_heads")
-    G = hf.get("num_key_value_heads") or H
-    head = hf.get("head_dim") or D // H
+    G = _optional_int(hf, "num_key_value_heads", H, where)
+    head = _optional_int(hf, "head_dim", D // H, where)
     eps = _number({"rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}, "rms_norm_eps", where)
-    if not isinstance(G, int) or not isinstance(head, int) or G <= 0 or head <= 0:
-        raise UserError(f"{where}: num_key_value_heads and head_dim must be positive integers")
+    tie = hf.get("tie_word_embeddings", False)  # transformers' default for all four
+    if not isinstance(tie, bool):  # bool("false") is True: the untied head would be dropped
+        raise UserError(f"{where}: tie_word_embeddings={tie!r} must be true or false")
     cfg = ModelConfig(
         vocab_size=get_int("vocab_size"), block_size=get_int("max_position_embeddings"),
         n_layer=get_int("num_hidden_layers"), n_head=H, n_embd=D,
@@ -129,7 +136,7 @@ def config_from_hf(hf: dict[str, Any], where: str, get_int: Callable[..., int]) 
         ffn_dim=get_int("intermediate_size"), bias=False, qkv_bias=model_type == "qwen2",
         pos_embedding="rope", **_rope(hf, where), norm="rmsnorm", norm_eps=float(eps),
         mlp="swiglu", qk_norm=model_type == "qwen3",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        tie_embeddings=tie)
     try:
         return validate_model(cfg)
     except UserError as e:

@@ -142,6 +142,10 @@ def test_a_qwen_window_that_no_layer_uses_is_full_attention(tmp_path):
     (dict(rope_parameters=[1]), r"rope_parameters=\[1\] is not an object"),
     (dict(rms_norm_eps=float("nan")), "rms_norm_eps=nan must be a positive number"),
     (dict(rope_theta=float("inf")), "rope_theta=inf must be a positive number"),
+    # a string is truthy: "false" tied the model and dropped its own lm_head.weight
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings='false' must be true or false"),
+    (dict(num_key_value_heads=0), "num_key_value_heads=0 must be a positive integer"),  # not unset
+    (dict(head_dim=True), "head_dim=True must be a positive integer"),  # not a head of width 1
 ])
 def test_unsupported_configs_are_one_clear_error(tmp_path, kw, match):
     d = _write_config(tmp_path / "m", **kw)
