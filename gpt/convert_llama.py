@@ -29,6 +29,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 
 
 DEFAULT_WINDOW = 4096  # transformers' sliding_window for Mistral (and Qwen2/3 with use_sliding_window)
+QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim where config.json has none (not hidden / heads)
 ROPE_SCALINGS = ("linear", "llama3")  # a fixed change of the frequencies (gpt.model.rope_frequencies)
 
 
@@ -124,7 +125,7 @@ def config_from_hf(hf: dict[str, Any], where: str, get_int: Callable[..., int]) 
     _check_unsupported(hf, model_type, where)
     D, H = get_int("hidden_size"), get_int("num_attention_heads")
     G = _optional_int(hf, "num_key_value_heads", H, where)
-    head = _optional_int(hf, "head_dim", D // H, where)
+    head = _optional_int(hf, "head_dim", QWEN3_HEAD_DIM if model_type == "qwen3" else D // H, where)
     eps = _number({"rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}, "rms_norm_eps", where)
     tie = hf.get("tie_word_embeddings", False)  # transformers' default for all four
     if not isinstance(tie, bool):  # bool("false") is True: the untied head would be dropped

@@ -121,6 +121,13 @@ def test_a_qwen_window_that_no_layer_uses_is_full_attention(tmp_path):
     assert convert.config_from_hf(json.loads((d / "config.json").read_text())).n_layer == COMMON["num_hidden_layers"]
 
 
+def test_a_qwen3_config_without_head_dim_has_transformers_default():
+    """Qwen3Config's head_dim defaults to 128, not hidden / heads (12 here), as Llama's does."""
+    kw = dict(COMMON, num_attention_heads=4, num_key_value_heads=2)
+    ours = convert.config_from_hf(dict(kw, model_type="qwen3"))
+    assert ours.head_dim == transformers.Qwen3Config(**kw).head_dim == 128
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), r"gemma.*supported.*llama, mistral, qwen2, qwen3"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 8.0}), "rope scaling 'yarn' is not supported"),
