@@ -199,6 +199,11 @@ def _bad_dirs(root: Path, good: Path) -> dict[str, tuple[list[str], str]]:
     (root / "act" / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()),
                                                           "activation_function": ["gelu"]}))
     cases["activation_a_list"] = (["--from_hf", str(root / "act")], "activation_function ['gelu']")
+    (root / "tie").mkdir()  # a string: its untied lm_head was dropped as a tied model's
+    (root / "tie" / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()),
+                                                          "tie_word_embeddings": "false"}))
+    (root / "tie" / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    cases["tie_a_string"] = (["--from_hf", str(root / "tie")], "tie_word_embeddings='false' must be")
     (root / "pickle").mkdir()
     (root / "pickle" / "config.json").write_text((good / "config.json").read_text())
     (root / "pickle" / "pytorch_model.bin").write_bytes(b"not read")
