@@ -532,10 +532,11 @@ def _from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite
         print(f"warning: {hf_dir} has no tokenizer.json (and is not a GPT-2 model with GPT-2's "
               f"vocabulary), so no tokenizer is recorded; sampling from this checkpoint needs one",
               file=sys.stderr)
+    from gpt.tokenizer import HF_FILE, atomic_write_bytes
+    new_tokenizer = _tokenizer_dest_is_new(out, steps, tokenizer[1] if tokenizer is not None else None)
     out.mkdir(parents=True, exist_ok=True)
     ckpt.hold_out_dir(out)  # a folder new at the start is locked once made
     aside = ckpt.set_aside(out) if steps else None  # --overwrite: deleted only once the new one is saved
-    from gpt.tokenizer import HF_FILE, atomic_write_bytes
     try:
         if tokenizer is not None and tokenizer[1] is not None:  # before the checkpoint that names it: a
             atomic_write_bytes(out / HF_FILE, tokenizer[1])  # kill between the two left it unreadable
@@ -545,7 +546,7 @@ def _from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite
         c.save(0, params, {"none": np.zeros((), np.int32)}, meta, val_loss=None)
         c.close()
     except BaseException:
-        if aside is None and not ckpt.list_steps(out):  # (with --overwrite, settle_aside puts the old one back)
+        if aside is None and new_tokenizer and not ckpt.list_steps(out):  # (--overwrite: settle_aside's)
             (out / HF_FILE).unlink(missing_ok=True)
         raise
     finally:
@@ -554,6 +555,21 @@ def _from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite
     n = sum(int(np.prod(a.shape)) for a in _leaves(params)) - padding
     return (f"converted {hf_dir} ({n / 1e6:.1f}M params, {cfg.n_layer} layers, n_embd {cfg.n_embd}, "
             f"vocab {cfg.vocab_size}) to {ckpt.checkpoint_dir(out)}/0")
+
+
+def _tokenizer_dest_is_new(out: Path, steps: list[int], data: bytes | None) -> bool:
+    """Whether --from_hf writes a tokenizer.json (`data`) where out had none (a failed conversion
+    then removes it). One there without checkpoints beside it is someone else's (another model's
+    folder, a tokenizer kept there): refused, not replaced, unless it holds these very bytes (a
+    conversion of this model killed before its save). --overwrite sets it aside with its checkpoints."""
+    from gpt.tokenizer import HF_FILE
+    path = out / HF_FILE
+    if data is None or steps or not path.exists():
+        return data is not None
+    if not (path.is_file() and path.read_bytes() == data):
+        raise UserError(f"{path} is there already, with no checkpoints beside it, and is not this model's "
+                        f"tokenizer.json; move it away or choose another --out_dir")
+    return False
 
 
 def hf_dir_tokenizer(hf_dir: Path, cfg) -> tuple[dict, bytes | None] | None:

@@ -238,6 +238,35 @@ def test_hf_tokenizer_bad_input_writes_nothing(tmp_path, monkeypatch):
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*")) == before
 
 
+def test_from_hf_keeps_a_tokenizer_json_it_did_not_write(tmp_path, monkeypatch):
+    """An --out_dir holding a tokenizer.json and no checkpoints (another model's folder): the
+    conversion is refused, not written over it, nor does a failed one delete it; these very bytes
+    (a conversion killed before its save) convert."""
+    from gpt import checkpoint as ckpt
+    src, bare, out = tmp_path / "hf", tmp_path / "bare", tmp_path / "out"
+    make_hf(src, "qwen2")
+    make_hf(bare, "qwen2")  # no tokenizer.json
+    make_hf_tokenizer(src)
+    out.mkdir()
+    (out / "tokenizer.json").write_text("theirs")
+    with pytest.raises(UserError, match="tokenizer.json is there already, with no checkpoints"):
+        convert.from_hf_to_checkpoint(src, out)
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(ckpt.Checkpointer, "save", full_disk)
+        with pytest.raises(OSError):
+            convert.from_hf_to_checkpoint(bare, out)
+        assert (out / "tokenizer.json").read_text() == "theirs"
+        (out / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+        with pytest.raises(OSError):
+            convert.from_hf_to_checkpoint(src, out)
+        assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    convert.from_hf_to_checkpoint(src, out)
+    assert ckpt.list_steps(out) == [0]
+
+
 def test_a_conversion_killed_after_its_save_is_complete(tmp_path):
     """--from_hf killed once its checkpoint is on disk (a subprocess that exits there, as a kill
     does: no clean-up runs): the tokenizer.json that checkpoint names is there too (it was written
