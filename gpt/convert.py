@@ -270,6 +270,10 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
             raise UserError(f"tensor {key} in {d} contains NaN or infinite values; the weights are corrupt")
         return a
 
+    # The last layer's first: a layer count far past the files' (num_hidden_layers=10**7) built a
+    # table of every tensor's name, gigabytes, before the first missing one was reported.
+    last = cfg.n_layer - 1
+    read(f"h.{last}.ln_1.weight" if gpt2 else f"model.layers.{last}.input_layernorm.weight", (cfg.n_embd,))
     shapes = _hf_shapes(cfg) if gpt2 else llama.hf_shapes(cfg)
     t = {name: read(name, shape) for name, shape in shapes.items()}
     if not gpt2:

@@ -238,6 +238,17 @@ def test_hf_tokenizer_bad_input_writes_nothing(tmp_path, monkeypatch):
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "out").rglob("*")) == before
 
 
+def test_a_layer_count_past_the_files_is_refused_before_listing_every_tensor(tmp_path):
+    """num_hidden_layers far past the weights' (a typo) names the last layer's missing tensor at
+    once; every layer's tensor names were listed first (10**7 layers: 15 GB, two minutes)."""
+    src = tmp_path / "hf"
+    make_hf(src, "qwen2")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=10**6)))
+    with pytest.raises(UserError, match=r"missing tensor model\.layers\.999999\.input_layernorm\.weight"):
+        convert.load_hf(src)
+
+
 def test_from_hf_keeps_a_tokenizer_json_it_did_not_write(tmp_path, monkeypatch):
     """An --out_dir holding a tokenizer.json and no checkpoints (another model's folder): the
     conversion is refused, not written over it, nor does a failed one delete it; these very bytes
