@@ -94,6 +94,38 @@ def test_a_file_read_in_many_pieces_scores_as_one(tmp_path, trained, monkeypatch
     assert abs(got["loss"] - want["loss"]) < 1e-6
 
 
+def test_streamed_batches_predict_every_token_once_across_batch_boundaries(monkeypatch):
+    """`score_stream` scores batches of rows * T + 1 ids, each batch's last id the next one's first
+    input: streams one shorter, as long as, and one longer than one or two batches (and under 2
+    ids), cut into pieces of any size (empty ones too), give the count and loss of consecutive
+    T-windows of the whole stream, so no token is dropped or predicted twice at a boundary."""
+    from gpt import evaluate as E
+    from helpers import tiny_gpt, tiny_model_config
+    model = tiny_gpt(tiny_model_config(block_size=8))
+    T = model.cfg.block_size
+    monkeypatch.setattr(E, "WINDOW_TOKENS", 2 * T)  # rows = 2: a batch spans 17 ids
+    nats = E._window_loss(model)
+    monkeypatch.setattr(E, "_window_loss", lambda m: nats)  # one compilation for every case
+    rng = np.random.default_rng(0)
+    span = 2 * T + 1
+    for n in (0, 1, 2, span - 1, span, span + 1, 2 * span - 2, 2 * span - 1, 2 * span, 3 * span):
+        ids, scored = rng.integers(0, 65, n), rng.random(n) < 0.8
+        want_nats, want_n = 0.0, 0
+        for s in range(0, max(n - 1, 0), T):  # windows of T from the start, one at a time
+            x, y, w = (np.zeros((1, T), a.dtype) for a in (ids, ids, scored))
+            k = min(T, n - 1 - s)
+            x[0, :k], y[0, :k], w[0, :k] = ids[s:s + k], ids[s + 1:s + k + 1], scored[s + 1:s + k + 1]
+            want_nats += float(nats(x, y, w))
+            want_n += int(w.sum())
+        assert want_n == int(scored[1:].sum())
+        for cuts in ([], [0, 0], list(range(1, n)), sorted(rng.integers(0, n + 1, 5).tolist())):
+            bounds = [0, *cuts, n]
+            pieces = [(ids[a:b], scored[a:b]) for a, b in zip(bounds, bounds[1:])]
+            got_nats, got_n = E.score_stream(model, pieces)
+            assert got_n == want_n, (n, cuts)
+            assert abs(got_nats - want_nats) < 1e-3, (n, cuts)
+
+
 def test_documents_follow_an_end_of_text_token_which_is_not_scored(tmp_path):
     """With a tokenizer that has one (gpt2), each document is predicted from an end-of-text token,
     as training separates documents, and that token (no bytes) is not a target."""
