@@ -41,8 +41,9 @@ def _number(d: dict[str, Any], key: str, where: str, integer: bool = False) -> f
 
 
 def _optional_int(hf: dict[str, Any], key: str, default: int, where: str) -> int:
-    """hf[key], or `default` where it is absent or null (as transformers reads it). A value that
-    is set must be a positive integer: `hf.get(key) or default` took 0 for unset and True for 1."""
+    """hf[key], or `default` where it is absent or null (the weights' shapes are checked against
+    it later). A value that is set must be a positive integer: `hf.get(key) or default` took 0 for
+    unset and True for 1."""
     return default if hf.get(key) is None else int(_number(hf, key, where, integer=True))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -25,7 +25,7 @@ LOGITS_BUDGET = 256 << 20  # bytes of float32 logits a batch of windows may hold
 WINDOW_TOKENS = 8192  # and tokens, at most (the earlier 8 windows at T = 1,024; fewer windows at longer T)
 
 
-def input_sources(paths: Sequence[str], include) -> list:
+def input_sources(paths: Sequence[str], include: Any) -> list:
     """The inputs' files (`gpt.corpus`), found before the model is loaded: a wrong path is told at
     once."""
     from gpt.corpus import make_sources, resolve_inputs
@@ -36,15 +36,18 @@ def input_sources(paths: Sequence[str], include) -> list:
 
 
 def _unreadable(paths: Sequence[str], e: OSError) -> UserError:
+    """One line for an input that cannot be read (it may vanish or fail while streamed)."""
     return UserError(f"cannot read {e.filename or ', '.join(map(str, paths))} ({e.strerror}); check "
                      f"the path and its permissions")
 
 
-def token_pieces(sources: list, reading, tok, paths: Sequence[str] = ()
+def token_pieces(sources: list, reading: Any, tok: Any, paths: Sequence[str] = ()
                  ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """(ids, scored, n_bytes) for each piece of the sources, read by `gpt.corpus` and tokenized piece
-    by piece as `gpt.data` tokenizes a corpus (pieces are cut where that changes no token), so that
-    memory stays bounded on any input. `scored` says which ids count as targets: a document's own,
+    by piece as `gpt.data` tokenizes a corpus, so that memory stays bounded on any input. Pieces
+    (about 1 MiB of a long document) are cut where GPT-2's pre-tokenizer cuts, which changes no
+    token of gpt2, char or bpe:N; a Hugging Face tokenizer may differ from encoding the document
+    whole by a token or so per MiB, as the training data it was prepared with does. `scored` says which ids count as targets: a document's own,
     not the end-of-text token put before it where the tokenizer has one (as training separates
     documents). n_bytes: the piece's UTF-8 bytes as read (after --errors=replace, without a
     byte-order mark; the same for every format)."""
@@ -60,7 +63,7 @@ def token_pieces(sources: list, reading, tok, paths: Sequence[str] = ()
         raise _unreadable(paths, e) from None
 
 
-def score_stream(model, pieces: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[float, int]:
+def score_stream(model: Any, pieces: Iterable[tuple[np.ndarray, np.ndarray]]) -> tuple[float, int]:
     """(sum of next-token losses in nats, number of predicted tokens) over consecutive windows of
     `block_size + 1` tokens of the pieces' ids run together, each window's last id the next one's
     first; `scored` [N] of each piece says which of its ids count as targets. Batches of windows
@@ -81,7 +84,7 @@ def score_stream(model, pieces: Iterable[tuple[np.ndarray, np.ndarray]]) -> tupl
     return total, n_pred
 
 
-def _window_loss(model):
+def _window_loss(model: Any) -> Callable[..., Any]:
     """A jitted (params, x_BT, y_BT, w_BT) -> summed nats of the w_BT targets, with the params."""
     import jax
     import jax.numpy as jnp
@@ -97,7 +100,7 @@ def _window_loss(model):
     return lambda *a: nats(params, *a)
 
 
-def _add(nats, rows: int, T: int, ids: np.ndarray, scored: np.ndarray, total: float, n_pred: int
+def _add(nats: Callable[..., Any], rows: int, T: int, ids: np.ndarray, scored: np.ndarray, total: float, n_pred: int
          ) -> tuple[float, int]:
     """`total` and `n_pred` with the windows of ids[:rows*T+1] added (the rest padded, unscored)."""
     x, y = np.zeros((rows * T + 1,), np.int32), np.zeros((rows * T + 1,), bool)
@@ -106,32 +109,32 @@ def _add(nats, rows: int, T: int, ids: np.ndarray, scored: np.ndarray, total: fl
     return total + float(nats(inputs, targets, weights)), n_pred + int(weights.sum())
 
 
-def score_tokens(model, ids: np.ndarray, scored: np.ndarray | None = None) -> tuple[float, int]:
+def score_tokens(model: Any, ids: np.ndarray, scored: np.ndarray | None = None) -> tuple[float, int]:
     """`score_stream` of one array of ids (`scored` default: all)."""
     return score_stream(model, [(ids, np.ones(len(ids), bool) if scored is None else scored)])
 
 
 def evaluate_text(out_dir: str, paths: Sequence[str], dtype: str = "auto", errors: str = "strict",
-                  include=None, text_field: str = "text", skip_bad_records: bool = False) -> dict[str, float]:
+                  include: str | None = None, text_field: str = "text", skip_bad_records: bool = False
+                  ) -> dict[str, float]:
+    """The checkpoint's loss, perplexity and bits per byte on the inputs (module docstring). The
+    inputs are read and tokenized once before any scoring, ids not kept: what cannot be read or
+    tokenized (invalid UTF-8, a bad record, a character outside a char vocabulary) is told at once,
+    not when the scoring reaches it."""
     from gpt.checkpoint import load_model
     from gpt.corpus import DEFAULT_INCLUDE, Reading
 
     sources = input_sources(paths, include or DEFAULT_INCLUDE)
     model, meta, tok = load_model(out_dir, dtype)
-    seen = {"bytes": 0, "first": None}
-
-    def counted(pieces):
-        for ids, scored, n_bytes in pieces:
-            seen["bytes"] += n_bytes
-            if seen["first"] is None and len(ids):
-                seen["first"] = (int(ids[0]), bool(scored[0]))
-            yield ids, scored
-
     reading = Reading(errors, text_field, skip_bad_records)
-    loss_sum, n_pred = score_stream(model, counted(token_pieces(sources, reading, tok, paths)))
-    n_bytes = seen["bytes"]
-    if seen["first"] is not None and seen["first"][1]:  # no end-of-text token before it: not predicted
-        n_bytes -= len(tok.decode([seen["first"][0]]).encode("utf-8"))
+    n_bytes, first = 0, None  # the stream's first id, and whether it is scored
+    for ids, scored, piece_bytes in token_pieces(sources, reading, tok, paths):
+        n_bytes += piece_bytes
+        first = first or ((int(ids[0]), bool(scored[0])) if len(ids) else None)
+    pieces = ((ids, scored) for ids, scored, _ in token_pieces(sources, reading, tok, paths))
+    loss_sum, n_pred = score_stream(model, pieces)
+    if first is not None and first[1]:  # no end-of-text token before it: its bytes are not predicted
+        n_bytes -= len(tok.decode([first[0]]).encode("utf-8"))
     if n_pred == 0:
         raise UserError(f"{', '.join(map(str, paths))} holds fewer than 2 tokens; nothing to evaluate")
     loss = loss_sum / n_pred

@@ -126,6 +126,18 @@ def test_streamed_batches_predict_every_token_once_across_batch_boundaries(monke
             assert abs(got_nats - want_nats) < 1e-3, (n, cuts)
 
 
+def test_text_that_cannot_be_tokenized_is_told_before_any_scoring(tmp_path, trained, monkeypatch):
+    """A character outside the char model's vocabulary at the end of a long input is one line at
+    once: the streamed scoring would have found it only when it reached it."""
+    from gpt import evaluate
+    from gpt.errors import UserError
+    f = tmp_path / "t.txt"
+    f.write_text((REPO / "data" / "shakespeare.txt").read_text()[:5000] + "\u00e9")
+    monkeypatch.setattr(evaluate, "score_stream", lambda *a: pytest.fail("scored before the check"))
+    with pytest.raises(UserError, match="not in the char tokenizer's vocabulary"):
+        evaluate.evaluate_text(str(trained), [str(f)], "float32")
+
+
 def test_documents_follow_an_end_of_text_token_which_is_not_scored(tmp_path):
     """With a tokenizer that has one (gpt2), each document is predicted from an end-of-text token,
     as training separates documents, and that token (no bytes) is not a target."""
