@@ -47,10 +47,10 @@ def token_pieces(sources: list, reading: Any, tok: Any, paths: Sequence[str] = (
     by piece as `gpt.data` tokenizes a corpus, so that memory stays bounded on any input. Pieces
     (about 1 MiB of a long document) are cut where GPT-2's pre-tokenizer cuts, which changes no
     token of gpt2, char or bpe:N; a Hugging Face tokenizer may differ from encoding the document
-    whole by a token or so per MiB, as the training data it was prepared with does. `scored` says which ids count as targets: a document's own,
-    not the end-of-text token put before it where the tokenizer has one (as training separates
-    documents). n_bytes: the piece's UTF-8 bytes as read (after --errors=replace, without a
-    byte-order mark; the same for every format)."""
+    whole by a token or so per MiB, as the training data it was prepared with does. `scored` says
+    which ids count as targets: a document's own, not the end-of-text token put before it where the
+    tokenizer has one (as training separates documents). n_bytes: the piece's UTF-8 bytes as read
+    (after --errors=replace, without a byte-order mark; the same for every format)."""
     from gpt.corpus import iter_corpus
     try:
         for _, _, text, first in iter_corpus(sources, reading, sum(s.size for s in sources) + 1):
@@ -85,7 +85,8 @@ def score_stream(model: Any, pieces: Iterable[tuple[np.ndarray, np.ndarray]]) ->
 
 
 def _window_loss(model: Any) -> Callable[..., Any]:
-    """A jitted (params, x_BT, y_BT, w_BT) -> summed nats of the w_BT targets, with the params."""
+    """(x_BT, y_BT, w_BT) -> the summed nats of the w_BT targets: one jitted program, the model's
+    parameters bound."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
