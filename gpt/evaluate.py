@@ -101,8 +101,8 @@ def _window_loss(model: Any) -> Callable[..., Any]:
     return lambda *a: nats(params, *a)
 
 
-def _add(nats: Callable[..., Any], rows: int, T: int, ids: np.ndarray, scored: np.ndarray, total: float, n_pred: int
-         ) -> tuple[float, int]:
+def _add(nats: Callable[..., Any], rows: int, T: int, ids: np.ndarray, scored: np.ndarray,
+         total: float, n_pred: int) -> tuple[float, int]:
     """`total` and `n_pred` with the windows of ids[:rows*T+1] added (the rest padded, unscored)."""
     x, y = np.zeros((rows * T + 1,), np.int32), np.zeros((rows * T + 1,), bool)
     x[:len(ids)], y[:len(ids)] = ids, scored
