@@ -523,12 +523,12 @@ def schedule_warnings(t: TrainConfig) -> list[str]:
     return out
 
 
-def check_moe_flags(m: ModelConfig, t: TrainConfig, explicit: set[str], loaded: bool = False) -> None:
-    """A mixture-of-experts setting on a dense model would be silently ignored. The flags alone
-    know the model of a run from scratch only; `loaded`: `m` is the checkpoint's (--init_from's,
-    a LoRA run's base or the resumed run's), whose architecture no flag changes."""
+def check_moe_flags(m: ModelConfig, t: TrainConfig, explicit: set[str]) -> None:
+    """A mixture-of-experts setting on a dense model would be silently ignored. `m` is the run's
+    model: the flags' for a run from scratch, else the checkpoint's (--init_from's, a LoRA run's base
+    or the resumed run's, whose architecture no flag changes), known once it is read."""
     given = sorted(k for k in MOE_FLAGS if k in explicit)
-    if not given or m.n_expert or not (loaded or t.init_from == "scratch"):
+    if not given or m.n_expert:
         return
     if t.init_from == "scratch":
         raise UserError(f"--{given[0]} needs --n_expert=N (a mixture-of-experts model)")
@@ -657,7 +657,8 @@ def build_train(argv: Sequence[str], default_preset: str | None = "default"
         raise UserError("--input names no file; pass text files, folders or globs, or leave --input out "
                         "to train on the bundled Shakespeare")
     check_lora_flags(t, explicit)
-    check_moe_flags(m, t, explicit)
+    if t.init_from == "scratch":  # else the checkpoint's model, once read (gpt.train._with_data)
+        check_moe_flags(m, t, explicit)
     return m, c, t, explicit
 
 

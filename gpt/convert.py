@@ -127,8 +127,7 @@ def config_from_hf(hf: dict[str, Any], where: str = "config.json") -> ModelConfi
     if n_inner is not None and n_inner != 4 * n_embd:
         raise UserError(f"{where}: n_inner={n_inner} is not supported (the MLP width must be "
                         f"4 * n_embd = {4 * n_embd})")
-    if not isinstance(hf.get("tie_word_embeddings", True), bool):  # load_hf reads "false" as tied
-        raise UserError(f"{where}: tie_word_embeddings={hf['tie_word_embeddings']!r} must be true or false")
+    llama.hf_bool(hf, "tie_word_embeddings", True, where)  # load_hf reads it (GPT-2 ties them)
     for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                       ("add_cross_attention", False)):
         if hf.get(key, want) != want:

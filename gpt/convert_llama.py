@@ -47,6 +47,15 @@ def _optional_int(hf: dict[str, Any], key: str, default: int, where: str) -> int
     return default if hf.get(key) is None else int(_number(hf, key, where, integer=True))
 
 
+def hf_bool(hf: dict[str, Any], key: str, default: bool, where: str) -> bool:
+    """hf[key] (`default` where absent), which must be true or false: bool("false") is True, which
+    read an untied head as tied and dropped it."""
+    v = hf.get(key, default)
+    if not isinstance(v, bool):
+        raise UserError(f"{where}: {key}={v!r} must be true or false")
+    return v
+
+
 def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """Our RoPE fields from the config: rope_theta (top level, or transformers 5's rope_parameters)
     and the scaling of rope_parameters or the older rope_scaling. Linear and Llama 3's scaling are
@@ -128,9 +137,7 @@ def config_from_hf(hf: dict[str, Any], where: str, get_int: Callable[..., int]) 
     G = _optional_int(hf, "num_key_value_heads", H, where)
     head = _optional_int(hf, "head_dim", QWEN3_HEAD_DIM if model_type == "qwen3" else D // H, where)
     eps = _number({"rms_norm_eps": hf.get("rms_norm_eps", 1e-6)}, "rms_norm_eps", where)
-    tie = hf.get("tie_word_embeddings", False)  # transformers' default for all four
-    if not isinstance(tie, bool):  # bool("false") is True: the untied head would be dropped
-        raise UserError(f"{where}: tie_word_embeddings={tie!r} must be true or false")
+    tie = hf_bool(hf, "tie_word_embeddings", False, where)  # transformers' default for all four
     cfg = ModelConfig(
         vocab_size=get_int("vocab_size"), block_size=get_int("max_position_embeddings"),
         n_layer=get_int("num_hidden_layers"), n_head=H, n_embd=D,

@@ -367,7 +367,7 @@ def _with_data(m: ModelConfig, c: ComputeConfig, t: TrainConfig, explicit: set[s
         raise UserError(f"the model's vocabulary ({m.vocab_size}) is smaller than the data's "
                         f"({meta['vocab_size']}); prepare the data with the model's tokenizer")
     data_lib.check_split_sizes(meta, m.block_size)
-    check_moe_flags(m, t, explicit, loaded=t.init_from != "scratch")
+    check_moe_flags(m, t, explicit)  # the model is known now, from a checkpoint too
     if t.align_documents and meta["format_version"] < 2:
         raise UserError(f"{str(data_dir)!r} has no document index (a single-file data dir, format version 1), "
                         f"which --align_documents needs; prepare the data again with python -m gpt.data")
