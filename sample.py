@@ -83,9 +83,10 @@ def main(argv: Sequence[str]) -> int:
     if cfg.draft_out_dir:  # checked before anything is printed
         from gpt.speculative import load_draft
         draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens)
-    if cfg.decode_kernels:
-        from gpt.sampling import with_decode_kernels
-        model = with_decode_kernels(model, cfg.num_samples, draft is not None, jax.default_backend())
+    from gpt.sampling import decode_kernels_by_default, with_decode_kernels
+    run = (model, cfg.num_samples, draft is not None, jax.default_backend())
+    if cfg.decode_kernels if "decode_kernels" in explicit else decode_kernels_by_default(*run):
+        model = with_decode_kernels(*run)
     if cfg.top_k > model.cfg.vocab_size:  # keeps every token, as nanoGPT and transformers take it
         if "top_k" in explicit:
             print(f"note: --top_k={cfg.top_k} exceeds the vocabulary ({model.cfg.vocab_size} tokens): "

@@ -2,7 +2,7 @@
 
     python bench/gpu.py --out=DIR [--size=full|tiny] [--parts=tests,sample,curve,speculative,train]
                         [--train_variants=NAME,...] [--timeout=SEC] [--xla_flags="FLAGS;FLAGS..."]
-                        [--kernel_tools=xent,norm,gelu,decode_layer,topk,matvec]
+                        [--kernel_tools=norm,gelu,decode_layer,topk,matvec]
 
 Parts (each runs in its own process, so an out-of-memory variant or a crash is recorded and the
 suite goes on):
@@ -35,8 +35,8 @@ suite goes on):
   decoding step's MLP and attention blocks in their variants, and a whole greedy token against the
   copy bound), `bench/topk.py` (the sampler's top-k, exact variants) and `bench/matvec.py`
   (one-row products): whether fewer, fused kernels bring batch-1 decoding near the bandwidth bound.
-  Before them bench/xent.py, bench/norm.py and bench/gelu.py time the training loss's, the norms'
-  and the MLP activation's kernels; --kernel_tools picks which run.
+  Before them bench/norm.py and bench/gelu.py time the norms' and the MLP activation's training
+  kernels; --kernel_tools picks which run.
 `--size=tiny` runs every part with tiny models (for CPU and CI: it checks the suite, not the GPU).
 DIR receives gpu.json (everything), gpu.md (the tables), gpu.log (every process's output) and
 loss.png; both summaries are rewritten after each part, so a suite cut short still leaves what ran.
@@ -80,30 +80,18 @@ TRAIN_FULL = {
     # the loss in 8 slices of T (--loss_chunks): 21.2 instead of 26.9 GB of temporaries (H200 compile)
     "b64-res-ce8": ["--batch_size=64", "--residual_dtype=compute", "--loss_chunks=8"],
     "b128-res": ["--batch_size=128", "--residual_dtype=compute"],  # 53.5 GB of temporaries (H200 compile)
-    # b64-res timed in chains of 20 steps, not 5: the step came out 4.3 ms longer than the profile's
-    # span of its kernels (126.6 against 122.3 ms, BENCHMARKS.md); if the host's dispatch of a
-    # chain's first step is the difference, it shrinks to a quarter here
+    # b64-res timed in chains of 20 steps, not 5, for the host's dispatch of a chain's first step:
+    # 128.0 against 128.4 ms on the H200 (thirty-fifth session), so it is not the step's lost time
     "b64-res-chain20": ["--batch_size=64", "--residual_dtype=compute", "--chain=20", "--steps=4", "--warmup=1"],
-    # the loss's pass over the logits as gpt/ops/xent_kernel.py's kernel, a program a row
-    "b64-res-xent": ["--batch_size=64", "--residual_dtype=compute", "--runtime=xent_kernel=triton"],
-    # the MLP's bias and GELU, forward and backward, as gpt/ops/gelu_kernel.py's kernels; then both
-    "b64-res-gelu": ["--batch_size=64", "--residual_dtype=compute", "--runtime=gelu_kernel=triton"],
-    "b64-res-xent-gelu": ["--batch_size=64", "--residual_dtype=compute",
-                          "--runtime=xent_kernel=triton,gelu_kernel=triton"],
-    # both at batch 128, the best batch so far: 66.7 GB of temporaries (H200 compile; over an
-    # H100's default 75% of 79.6 GiB, about 64 GB, where it would be recorded as out of memory)
-    "b128-res-xent-gelu": ["--batch_size=128", "--residual_dtype=compute",
-                           "--runtime=xent_kernel=triton,gelu_kernel=triton"],
-    # b64-res without CUDA graphs (Runtime.command_buffers): the profile ran without them, the
-    # timed step with them (BENCHMARKS.md, twenty-eighth session)
+    # b64-res runs the GPU's default training kernels (gpt/ops/gelu_kernel.py's MLP activation and
+    # gpt/ops/norm_kernel.py's norms' backward, `gpt.runtime.resolve`); here with XLA's fusions instead,
+    # and with one kernel at a time
+    "b64-res-xla": ["--batch_size=64", "--residual_dtype=compute", "--runtime=gelu_kernel=,norm_kernel="],
+    "b64-res-norm": ["--batch_size=64", "--residual_dtype=compute", "--runtime=gelu_kernel="],
+    "b64-res-gelu": ["--batch_size=64", "--residual_dtype=compute", "--runtime=norm_kernel="],
+    # b64-res without CUDA graphs (Runtime.command_buffers): 129.9 against 128.4 ms on the H200
+    # (thirty-fifth session), so they stay on
     "b64-res-nographs": ["--batch_size=64", "--residual_dtype=compute", "--runtime=command_buffers=false"],
-    # the norms' backward as gpt/ops/norm_kernel.py's kernel, with the stream's gradient added in it
-    # (XLA's two kernels a norm, about 11 ms of the H200's b64-res step); then with every kernel
-    "b64-res-norm": ["--batch_size=64", "--residual_dtype=compute", "--runtime=norm_kernel=triton"],
-    "b64-res-kernels": ["--batch_size=64", "--residual_dtype=compute",
-                        "--runtime=xent_kernel=triton,gelu_kernel=triton,norm_kernel=triton"],
-    "b128-res-kernels": ["--batch_size=128", "--residual_dtype=compute",
-                         "--runtime=xent_kernel=triton,gelu_kernel=triton,norm_kernel=triton"],
 }
 TRAIN_TINY = {"b4": ["--batch_size=4"], "b4-scan": ["--batch_size=4", "--scan_layers"]}
 # XLA:GPU settings for the part "xla", aimed at what the H200 profile showed (BENCHMARKS.md): the
@@ -129,8 +117,7 @@ def sizes(size: str) -> dict:
                                  "--log_interval=5"],
                     spec=["--pair=tiny", "--pair_iters=20", "--spec_tokens=16"], distill_rows=16,
                     xla_train=["--batch_size=4"], profile_decode=["--config=tiny", "--new_tokens=8"],
-                    kernels=["--chain=3", "--reps=1"], xent=["--rows=16", "--vocab=100", "--padded=128",
-                                                              "--reps=1"],
+                    kernels=["--chain=3", "--reps=1"],
                     norm=["--rows=64", "--dim=96", "--reps=1"], gelu=["--rows=64", "--ffn=512", "--reps=1"],
                     test_workers=[])
     # chains of 5 steps synchronised once, as train.py runs them (bench/train.py --chain)
@@ -141,7 +128,7 @@ def sizes(size: str) -> dict:
                              "--log_interval=10"],
                 spec=["--pair=shakespeare", "--pair_iters=5000", "--spec_tokens=200"], distill_rows=2560,
                 xla_train=["--batch_size=64"], profile_decode=["--config=gpt2", "--new_tokens=64"],
-                kernels=[], xent=[], norm=[], gelu=[], test_workers=gpu_check_workers())
+                kernels=[], norm=[], gelu=[], test_workers=gpu_check_workers())
 
 
 class Runner:
@@ -343,13 +330,12 @@ def part_profile(r: Runner, sz: dict) -> dict:
 
 
 # the part "kernels": bench/<tool>.py
-KERNEL_TOOLS = ("xent", "norm", "gelu", "decode_layer", "topk", "matvec")
+KERNEL_TOOLS = ("norm", "gelu", "decode_layer", "topk", "matvec")
 
 
 def part_kernels(r: Runner, sz: dict, tools: list[str]) -> dict:
     """The sampler at batch 1 with XLA's layers and with gpt/ops/decode_kernels.py's (`bench/sample.py
-    --decode_kernels`), then `tools` of KERNEL_TOOLS: bench/xent.py (the training loss's pass over
-    the logits), bench/norm.py (a block norm's backward), bench/gelu.py (the MLP's activation),
+    --decode_kernels`), then `tools` of KERNEL_TOOLS: bench/norm.py (a block norm's backward), bench/gelu.py (the MLP's activation),
     bench/decode_layer.py, bench/topk.py and bench/matvec.py. Each row is the tool's
     JSON (its values' errors and, on a GPU, its timings) with its exit status (1: a variant's
     values were off)."""
@@ -535,7 +521,7 @@ def _topk_lines(row: dict) -> list[str]:
 
 
 def _variant_lines(title: str, row: dict, checks: dict[str, str]) -> list[str]:
-    """A kernel tool's variants (bench/xent.py, bench/norm.py): each one's time on a GPU and its
+    """A kernel tool's variants (bench/norm.py, bench/gelu.py): each one's time on a GPU and its
     differences from XLA's (`checks`: the row's key -> its column's heading), or its error."""
     lines = [f"{title}: {_status(row)}", ""]
     if "variants" in row:
@@ -550,14 +536,6 @@ def _variant_lines(title: str, row: dict, checks: dict[str, str]) -> list[str]:
             lines.append(f"| {name} {timing}| {diffs}{'' if v.get('passed') else ' **off**'} |")
         lines.append("")
     return lines
-
-
-def _xent_lines(row: dict) -> list[str]:
-    """bench/xent.py: each variant's difference from XLA's and, on a GPU, its time."""
-    title = (f"The loss's pass over [{row.get('rows')}, {row.get('padded')}] logits (bench/xent.py, "
-             f"{row.get('gb', float('nan')):.1f} GB read and written once)")
-    return _variant_lines(title, row, {"lse": "lse vs xla", "target": "target vs xla",
-                                       "grad": "gradient vs xla"})
 
 
 def _norm_lines(row: dict) -> list[str]:
@@ -580,7 +558,6 @@ def _kernels_table(rows: dict) -> list[str]:
     if "sampler" in rows:
         lines += ["The sampler at batch 1 (bench/sample.py --decode_kernels): XLA's layers, then the "
                   "decoding kernels' (`kernels`):", "", *_sample_table({"compute": rows["sampler"]}), ""]
-    lines += _xent_lines(rows["xent"]) if "xent" in rows else []
     lines += _norm_lines(rows["norm"]) if "norm" in rows else []
     lines += _gelu_lines(rows["gelu"]) if "gelu" in rows else []
     lines += _layer_table(rows["decode_layer"]) if "decode_layer" in rows else []

@@ -1,5 +1,5 @@
 """Timing on the accelerator for the bench tools: the best of a few batches of asynchronous calls,
-and a variants' check-then-time loop (bench/xent.py, norm.py, gelu.py)."""
+and a variants' check-then-time loop (bench/norm.py, gelu.py)."""
 from __future__ import annotations
 
 import time

@@ -56,10 +56,10 @@ BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling
 # Runtime choices --runtime may override, for an A/B of one choice (on a GPU, in one device
 # call), with their values' types: the cross-entropy's one-pass logsumexp (GPU only), the MLP
 # activation's recomputation, the dense layers' hand-written backward (every backend) and the
-# Pallas kernels of the loss, of the MLP's activation and of the norms' backward (gpt/ops/xent_kernel.py,
-# gelu_kernel.py, norm_kernel.py: triton on a GPU, interpret elsewhere), and XLA:GPU's CUDA graphs in the
-# step (command_buffers); the attention kernel is train.py's own --attention
-RUNTIME_KNOBS = {"lse_one_pass": bool, "mlp_recompute": bool, "dense_vjp": bool, "xent_kernel": str,
+# Pallas kernels of the MLP's activation and of the norms' backward (gpt/ops/gelu_kernel.py,
+# norm_kernel.py: triton, a GPU's default; interpret elsewhere; empty for XLA's fusions), and
+# XLA:GPU's CUDA graphs in the step (command_buffers); the attention kernel is train.py's own --attention
+RUNTIME_KNOBS = {"lse_one_pass": bool, "mlp_recompute": bool, "dense_vjp": bool,
                  "gelu_kernel": str, "norm_kernel": str, "command_buffers": bool}
 BENCH_DEFAULTS = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10,
                   "runtime": ""}

@@ -176,7 +176,9 @@ class SampleConfig:
     draft_out_dir: str = ""  # a smaller model with the same tokenizer: speculative decoding (gpt/speculative.py)
     num_draft_tokens: int = 4  # with --draft_out_dir: tokens the draft proposes per target forward
     # GPU, one sample: each decoded token's layers as hand-written Pallas (Triton) kernels, three a
-    # layer and a sum where XLA makes about fourteen (gpt/ops/decode_kernels.py; GPT-2's block, no RoPE)
+    # layer and a sum where XLA makes about fourteen (gpt/ops/decode_kernels.py; GPT-2's block, no RoPE).
+    # Not given: on wherever they run (`gpt.sampling.decode_kernels_by_default`); given, a run
+    # where they cannot is refused, and --decode_kernels=false keeps XLA's layers
     decode_kernels: bool = False
 
 

@@ -647,17 +647,15 @@ class GPT(nnx.Module):
         `forward` then `cross_entropy` give it. In more than one chunk (`Runtime.loss_chunks`, or
         the CPU's auto for a large vocabulary, where it was faster: `gpt.runtime.loss_chunks_for`)
         the head's product is formed inside the loss a slice of T at a time
-        (`linear_cross_entropy`): the [B, T, V] logits and their gradient are never whole. With
-        `Runtime.xent_kernel` the loss goes that way in any number of chunks (one: whole), its
-        gradient over the logits from gpt/ops/xent_kernel.py."""
+        (`linear_cross_entropy`): the [B, T, V] logits and their gradient are never whole."""
         rt = self.rt
         chunks = runtime_lib.loss_chunks_for(rt.loss_chunks, *idx_BT.shape, self.cfg.padded_vocab_size)
         kw = dict(dropout_key=dropout_key, capacity_factor=capacity_factor)
-        if chunks <= 1 and not rt.xent_kernel:
+        if chunks <= 1:
             logits_BTV, _, stats = self.forward(idx_BT, **kw)
             return cross_entropy(logits_BTV, targets_BT, rt.lse_one_pass), stats
         h_BTD, _, stats = self.forward(idx_BT, hidden=True, **kw)
-        s = LinearCE(chunks, self.cfg.vocab_size, rt.dtype, rt.matmul_out, rt.lse_one_pass, rt.xent_kernel)
+        s = LinearCE(chunks, self.cfg.vocab_size, rt.dtype, rt.matmul_out, rt.lse_one_pass)
         return linear_cross_entropy(h_BTD, self.head[...], targets_BT, s), stats
 
     def _layers(self, x_BTD, cache: KVCache | None, positions_BT, mask_BTS, key, capacity_factor: float):

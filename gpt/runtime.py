@@ -31,8 +31,8 @@ from gpt.ops.attention import ATTENTION_BLOCK
 
 _USER_ATTENTION = {"einsum": "reference", "xla": "xla", "cudnn": "cudnn"}
 DECODE_WEIGHTS = ("rows", "dot", "")  # Runtime.decode_weights
-PALLAS_MODES = ("triton", "interpret", "")  # Runtime.decode_kernels, xent_kernel, gelu_kernel, norm_kernel
-TRAINING_KERNELS = ("xent_kernel", "gelu_kernel", "norm_kernel")  # one device each (`on_mesh`)
+PALLAS_MODES = ("triton", "interpret", "")  # Runtime.decode_kernels, gelu_kernel, norm_kernel
+TRAINING_KERNELS = ("gelu_kernel", "norm_kernel")  # one device each (`on_mesh`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,26 +74,17 @@ class Runtime:
     # "triton" on a GPU, "interpret" in Pallas's interpreter (tests), "" not at all. for_decoding
     # then keeps w_o and w_proj [in, out], the layout the kernels read by rows
     decode_kernels: str = ""
-    # The training loss's gradient over the logits as gpt/ops/xent_kernel.py's kernel (one read of
-    # the logits for the logsumexp and the gradient, applied to the head's products in the forward:
-    # `linear_cross_entropy`), "triton" or "interpret" as decode_kernels; "" XLA's passes. Off until
-    # a GPU has timed it (bench/train.py --runtime=xent_kernel=triton)
-    xent_kernel: str = ""
     # The MLP's bias and tanh-GELU, and their backward, as gpt/ops/gelu_kernel.py's kernels (GPT-2's
     # block with the activation recomputed: `Block.mlp`), "triton" or "interpret" as above; "" XLA's
-    # fusions. Off until a GPU has timed it (bench/train.py --runtime=gelu_kernel=triton)
+    # fusions. A GPU's default (`resolve`): GPT-2's step 2.7 ms shorter on an H200 (BENCHMARKS.md)
     gelu_kernel: str = ""
     # The block norms' and the final norm's backward (LayerNorm, RMSNorm) as gpt/ops/norm_kernel.py's
     # kernel, which also adds the residual stream's own gradient (`Block.norm_stream`), "triton" or
-    # "interpret" as above; "" XLA's fusions. Off until a GPU has timed it (bench/train.py
-    # --runtime=norm_kernel=triton)
+    # "interpret" as above; "" XLA's fusions. A GPU's default: GPT-2's step 4 ms shorter on an H200
     norm_kernel: str = ""
-    # XLA:GPU's command buffers (CUDA graphs) in the compiled training step. XLA updates a graph's
-    # commands whose buffers moved since its last launch (the step's temporaries, the batches may
-    # move every step), and it profiled the H200's step without graphs (as under any jax.profiler
-    # trace) but timed it with them, 4.3 ms apart (BENCHMARKS.md). False compiles the step without
-    # (`compiler_options`); decoding keeps its graph a token. On until a GPU has timed it
-    # (bench/train.py --runtime=command_buffers=false); nothing on other backends
+    # XLA:GPU's command buffers (CUDA graphs) in the compiled training step; False compiles the
+    # step without them (`compiler_options`, for A/B timing: the H200's step was 1.5 ms longer
+    # without); decoding keeps its graph a token. Nothing on other backends
     command_buffers: bool = True
 
     def __post_init__(self) -> None:
@@ -408,7 +399,10 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
     """The Runtime of model `cfg` run as `compute` (default: ComputeConfig()) on `backend` (default:
     JAX's default backend); `override` replaces resolved fields (tests: another kernel, a smaller
     attention block, the GPU's layouts on CPU). On CPU it also tunes the host allocator once
-    (`keep_host_memory`), since every compiled step there runs out of malloc'ed memory."""
+    (`keep_host_memory`), since every compiled step there runs out of malloc'ed memory. On a GPU the
+    training kernels (TRAINING_KERNELS) are on: each made the H200's GPT-2 step shorter, and the
+    model applies them where they fit (`gpt.model.uses_norm_kernel`, `gelu_kernel_fits`); a mesh
+    of several devices turns them off (`on_mesh`)."""
     c = compute or ComputeConfig()
     backend = backend or jax.default_backend()
     if backend == "cpu":
@@ -423,5 +417,6 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  lse_one_pass=backend == "gpu",
                  matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype),
                  residual=jnp.dtype({"float32": jnp.float32, "compute": dtype}[c.residual_dtype]),
-                 loss_chunks=c.loss_chunks or (0 if backend == "cpu" else 1))
+                 loss_chunks=c.loss_chunks or (0 if backend == "cpu" else 1),
+                 **dict.fromkeys(TRAINING_KERNELS, "triton" if backend == "gpu" else ""))
     return dataclasses.replace(rt, **override)

@@ -71,12 +71,14 @@ def tiny_model_config(**kw):
 def tiny_runtime(cfg, backend=None, *, dropout=0.0, dtype="float32", remat="none",
                  scan_layers=False, residual_dtype="float32", loss_chunks=0, **override):
     """The Runtime of `cfg` run with these ComputeConfig settings (float32 by default); `override`
-    replaces resolved fields (attention="reference" picks that kernel)."""
+    replaces resolved fields (attention="reference" picks that kernel). XLA's path unless a test
+    names a Pallas training kernel: a GPU's default kernels (`resolve`) would make the tests'
+    references the kernels they check, and backend="gpu" on a CPU would ask for Triton there."""
     from gpt.config import ComputeConfig
-    from gpt.runtime import resolve
+    from gpt.runtime import TRAINING_KERNELS, resolve
     compute = ComputeConfig(dropout=dropout, dtype=dtype, remat=remat, scan_layers=scan_layers,
                             residual_dtype=residual_dtype, loss_chunks=loss_chunks)
-    return resolve(cfg, compute, backend, **override)
+    return resolve(cfg, compute, backend, **{**dict.fromkeys(TRAINING_KERNELS, ""), **override})
 
 
 def tiny_gpt(cfg, seed=0, **kw):

@@ -54,14 +54,15 @@ def test_bench_runtime_override():
         "lse_one_pass": False, "mlp_recompute": True}
     assert runtime_override("") == {}
     assert runtime_override("dense_vjp=0") == {"dense_vjp": False}  # train.py's spellings of a bool
-    assert runtime_override("xent_kernel=interpret,gelu_kernel=interpret,norm_kernel=interpret") == {
-        "xent_kernel": "interpret", "gelu_kernel": "interpret", "norm_kernel": "interpret"}
-    assert runtime_override("xent_kernel=triton") == {"xent_kernel": "triton"}  # compiled for a GPU anywhere
+    assert runtime_override("gelu_kernel=interpret,norm_kernel=interpret") == {
+        "gelu_kernel": "interpret", "norm_kernel": "interpret"}
+    assert runtime_override("norm_kernel=triton") == {"norm_kernel": "triton"}  # compiled for a GPU anywhere
+    assert runtime_override("gelu_kernel=,norm_kernel=") == {"gelu_kernel": "", "norm_kernel": ""}  # XLA's
     assert runtime_override("command_buffers=false") == {"command_buffers": False}
-    with pytest.raises(UserError, match="xent_kernel=triton needs a GPU"):  # timed only on one
-        runs_here({"xent_kernel": "triton", "dense_vjp": False})
+    with pytest.raises(UserError, match="norm_kernel=triton needs a GPU"):  # timed only on one
+        runs_here({"norm_kernel": "triton", "dense_vjp": False})
     for bad, says in (("foo=1", "foo"), ("dense_vjp", "dense_vjp"), ("dense_vjp=maybe", "true or false"),
-                      ("dtype=true", "dtype"), ("xent_kernel=cuda", "triton"),
+                      ("dtype=true", "dtype"), ("xent_kernel=triton", "xent_kernel"), ("norm_kernel=cuda", "triton"),
                       ("gelu_kernel=cuda", "gelu_kernel is one of")):
         with pytest.raises(UserError, match=says):
             runtime_override(bad)
@@ -432,9 +433,9 @@ def test_gpu_suite_kernel_tools_are_checked(tmp_path, capsys):
     before the suite starts anything."""
     from bench import gpu as suite
     with pytest.raises(SystemExit) as e:
-        suite.main([f"--out={tmp_path}", "--parts=kernels", "--kernel_tools=xent,bogus"])
+        suite.main([f"--out={tmp_path}", "--parts=kernels", "--kernel_tools=norm,bogus"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "--kernel_tools=xent,bogus: some of xent, norm, gelu, decode_layer" in err
+    assert e.value.code == 2 and "--kernel_tools=norm,bogus: some of norm, gelu, decode_layer" in err
 
 
 def test_gpu_suite_train_variants_are_checked(tmp_path, capsys):
@@ -444,8 +445,8 @@ def test_gpu_suite_train_variants_are_checked(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # a variant of the other size's, or none at all
         suite.main([f"--out={tmp_path}", "--parts=train", "--train_variants=b64-res,b4"])
     assert e.value.code == 2 and "no variant b4 at --size=full" in capsys.readouterr().err
-    assert suite.parse_args(["--out=x", "--train_variants=b64-res-xent, b64-res,b64-res-xent"]
-                            ).train_variants == ["b64-res-xent", "b64-res"]
+    assert suite.parse_args(["--out=x", "--train_variants=b64-res-xla, b64-res,b64-res-xla"]
+                            ).train_variants == ["b64-res-xla", "b64-res"]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -460,22 +461,6 @@ def test_gpu_suite_refuses_settings_that_run_nothing(tmp_path, capsys, argv, wor
     with pytest.raises(SystemExit) as e:
         suite.parse_args([f"--out={tmp_path / 'o'}", *argv] if not argv[0].startswith("--out") else argv)
     assert e.value.code == 2 and words in capsys.readouterr().err
-
-
-def test_xent_bench_checks_every_variant_against_xla(monkeypatch, capsys):
-    """bench/xent.py off a GPU: every variant's logsumexp, target logit and gradient checked
-    against XLA's (the kernels in the interpreter), no timings; one whose target logit is off
-    fails the run."""
-    from bench import xent
-    assert xent.main(["--rows=6", "--vocab=50", "--padded=64", "--reps=1"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(out["variants"]) == 2 + len(xent.KERNELS)
-    assert all(v["passed"] and "us" not in v for v in out["variants"].values())
-    good = xent.variants
-    monkeypatch.setattr(xent, "variants", lambda vocab: {
-        **good(vocab), "off": lambda x, t, s: (lambda r: (r[0], r[1] + 1.0, r[2]))(good(vocab)["xla"](x, t, s))})
-    assert xent.main(["--rows=6", "--vocab=50", "--padded=64", "--reps=1"]) == 1
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["variants"]["off"]["target"] == 1.0
 
 
 def test_norm_bench_checks_every_variant_against_xla(monkeypatch, capsys):
@@ -563,7 +548,7 @@ def test_decode_layer_mixed_chains_match_xlas():
 @pytest.mark.slow  # 20 s: both tools in Pallas's interpreter
 def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     """bench/gpu.py --parts=kernels: the sampler with and without the decoding kernels, and
-    xent.py, norm.py, gelu.py, decode_layer.py, topk.py and matvec.py run, their values are checked and gpu.md
+    norm.py, gelu.py, decode_layer.py, topk.py and matvec.py run, their values are checked and gpu.md
     tables them (no timings of the kernels' variants off a GPU)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), f"--out={tmp_path}", "--size=tiny",
@@ -579,12 +564,10 @@ def test_gpu_suite_checks_the_decoding_kernels(tmp_path):
     assert "One-row products (bench/matvec.py): exit 0" in md
     assert [r["decode_kernels"] for r in rows["sampler"]["results"]] == [False, True]
     assert "| compute | tiny, kernels | 1 |" in md
-    assert rows["xent"]["exit"] == 0 and all(v["passed"] and "us" not in v for v in rows["xent"]["variants"].values())
-    assert "| rows W4096 w8 | - | - |" in md
     for tool in ("norm", "gelu"):
         assert rows[tool]["exit"] == 0
         assert all(v["passed"] and "us" not in v for v in rows[tool]["variants"].values())
-    assert "| kernel 2/16/256 w4 | - | - |" in md
+    assert "| kernel 2/16/256 w8 | - | - |" in md
     assert "| kernel 32/256 w8 | - | - |" in md
 
 
@@ -605,17 +588,16 @@ def test_gpu_suite_tables_kernel_timings():
                        "pallas": {"error": "OutOfResources", "attention": "pallas a", "mlp": "atomic BF16 BK256 w4"}}}
     topk = {"k": 200, "vocab": 50304, "exact": {"lax.top_k": True, "two-stage C1024": False}, "exit": 1,
             "us": {"lax.top_k": 35.0, "two-stage C1024": 12.5}}
-    xent = {"rows": 65536, "padded": 50304, "gb": 13.2, "exit": 1, "variants": {
-        "xla": {"lse": 0.0, "target": 0.0, "grad": 0.0, "passed": True, "us": 9460.0, "gbps": 1395.0},
-        "rows W4096 w8": {"lse": 2e-6, "target": 0.0, "grad": 0.02, "passed": False, "us": 4800.0,
-                          "gbps": 2750.0},
-        "rows W8192 w32": {"error": "OutOfResources: shared memory"}}}
-    kernels = {"xent": xent, "decode_layer": layer, "topk": topk, "matvec": {"error": "timed out"}}
+    norm = {"rows": 65536, "dim": 768, "gb": 0.4, "exit": 1, "variants": {
+        "xla": {"dx": 0.0, "sums": 0.0, "passed": True, "us": 367.0, "gbps": 1098.0},
+        "kernel 2/16/256 w8": {"dx": 1.4e-2, "sums": 0.2, "passed": False, "us": 147.0, "gbps": 2741.0},
+        "kernel 8/4/256 w8": {"error": "OutOfResources: shared memory"}}}
+    kernels = {"norm": norm, "decode_layer": layer, "topk": topk, "matvec": {"error": "timed out"}}
     md = suite.markdown({"started": "", "parts": {"kernels": kernels}})
-    assert "[65536, 50304] logits (bench/xent.py, 13.2 GB read and written once): exit 1" in md
-    assert "| xla | 9460 | 1395 | 0.0e+00 | 0.0e+00 | 0.0e+00 |" in md
-    assert "| rows W4096 w8 | 4800 | 2750 | 2.0e-06 | 0.0e+00 | 2.0e-02 **off** |" in md
-    assert "| rows W8192 w32 | OutOfResources: shared memory | | | | |" in md
+    assert "[65536, 768] rows (bench/norm.py, 0.40 GB read and written once): exit 1" in md
+    assert "| xla | 367 | 1098 | 0.0e+00 | 0.0e+00 |" in md
+    assert "| kernel 2/16/256 w8 | 147 | 2741 | 1.4e-02 | 2.0e-01 **off** |" in md
+    assert "| kernel 8/4/256 w8 | OutOfResources: shared memory | | | |" in md
     assert "| mlp | atomic BF16 BK256 w4 | 4.25 | 1 | 3.0e-03 | 1.0e-06 |" in md
     assert "| mlp | atomic BF32 BK256 w8 | x | | | |" in md and "exit 1 (a variant failed" in md
     assert "Per layer: XLA 27.50 us; the fastest Pallas blocks (of those whose values passed) 9.75 us." in md

@@ -151,26 +151,45 @@ def test_decode_kernels_on_gpu(dtype):
     assert _rel(last["triton", dtype], ref) < max(2 * _rel(last["", dtype], ref), 1e-2)
 
 
-@pytest.mark.parametrize("kernels", [dict(norm_kernel="triton"),
-                                     dict(xent_kernel="triton", gelu_kernel="triton", norm_kernel="triton")],
+@pytest.mark.parametrize("kernels", [dict(norm_kernel="triton"), dict(gelu_kernel="triton", norm_kernel="triton")],
                          ids=["norm", "all"])
 def test_training_kernels_on_gpu(kernels):
-    """The Pallas training kernels (`Runtime.norm_kernel`, and with the loss's and GELU's) as
+    """The Pallas training kernels (`Runtime.norm_kernel`, and with GELU's: a GPU's defaults) as
     Triton kernels: in float32 (highest matmul precision) the training objective's value and
     gradients are XLA's path's; in the GPU's bf16 settings its gradients lie no further from
     float32's than XLA's path's do (the kernels round in other places)."""
-    from gpt import train
     from helpers import bf16_gradient_errors
     cfg = tiny_model_config(block_size=64, n_embd=128, n_head=4)
     x = jnp.asarray(np.random.default_rng(0).integers(0, 65, (4, 64)), jnp.int32)
-    out = {}
-    for name, kw in (("xla", {}), ("kernels", kernels)):
-        gd, params = nnx.split(tiny_gpt(cfg, **kw))
-        fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining())[0]  # noqa: E731
-        with jax.default_matmul_precision("highest"):
-            out[name] = jax.jit(jax.value_and_grad(fn))(params)
-    (la, ga), (lb, gb) = out["xla"], out["kernels"]
-    assert abs(float(la) - float(lb)) <= 1e-5 * abs(float(la))
-    assert max(jax.tree.leaves(jax.tree.map(_rel, gb, ga))) < 1e-4
+    _same_objective(tiny_gpt(cfg), tiny_gpt(cfg, **kernels), x)
     kernel_error, xla_error = bf16_gradient_errors(cfg, x, kernels)
     assert kernel_error <= 1.1 * xla_error, (kernel_error, xla_error)
+
+
+def _same_objective(xla, kernels, x) -> None:
+    """The training objective's value and gradients with `kernels` (a GPT) are `xla`'s (the same
+    weights), in float32 at the highest matmul precision."""
+    from gpt import train
+    out = []
+    for model in (xla, kernels):
+        gd, params = nnx.split(model)
+        fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining())[0]  # noqa: E731
+        with jax.default_matmul_precision("highest"):
+            out.append(jax.jit(jax.value_and_grad(fn))(params))
+    (la, ga), (lb, gb) = out
+    assert abs(float(la) - float(lb)) <= 1e-5 * abs(float(la))
+    assert max(jax.tree.leaves(jax.tree.map(_rel, gb, ga))) < 1e-4
+
+
+def test_gpu_default_training_kernels_fit_odd_shapes():
+    """On a GPU `gpt.runtime.resolve` turns both training kernels on, and their tiles fit shapes
+    that are no power of two (n_embd 100 read in chunks of 4, 21 rows, an MLP 400 wide): the
+    objective is XLA's path's."""
+    from gpt.config import ComputeConfig
+    from gpt.model import GPT
+    from gpt.runtime import resolve
+    cfg = tiny_model_config(block_size=8, n_embd=100, n_head=4)
+    rt = resolve(cfg, ComputeConfig(dtype="float32"))
+    assert rt.norm_kernel == rt.gelu_kernel == "triton"
+    x = jnp.asarray(np.random.default_rng(1).integers(0, 65, (3, 7)), jnp.int32)
+    _same_objective(tiny_gpt(cfg), GPT(cfg, rngs=nnx.Rngs(0), runtime=rt), x)

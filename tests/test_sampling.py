@@ -118,7 +118,7 @@ def test_with_decode_kernels_says_why_not():
     """sample.py --decode_kernels's checks, each a one-line error (the bad-input matrix runs the
     off-a-GPU one), and the model it returns: a twin set to run the Triton kernels."""
     from gpt.errors import UserError
-    from gpt.sampling import with_decode_kernels
+    from gpt.sampling import decode_kernels_by_default, with_decode_kernels
     gpt2, rope = GPT(tiny_model_config(), rngs=nnx.Rngs(0)), GPT(tiny_model_config(pos_embedding="rope"),
                                                                   rngs=nnx.Rngs(0))
     for model, rows, draft, backend, why in [(gpt2, 1, False, "cpu", "needs an NVIDIA GPU"),
@@ -127,6 +127,8 @@ def test_with_decode_kernels_says_why_not():
                                              (rope, 1, False, "gpu", "this model has --pos_embedding=rope")]:
         with pytest.raises(UserError, match=why):
             with_decode_kernels(model, rows, draft, backend)
+        assert not decode_kernels_by_default(model, rows, draft, backend)  # without the flag: XLA's
+    assert decode_kernels_by_default(gpt2, 1, False, "gpu")  # sample.py's default where they run
     twin = with_decode_kernels(gpt2, 1, False, "gpu")
     assert twin.rt.decode_kernels == "triton" and gpt2.rt.decode_kernels == "" and twin.wte is gpt2.wte
 

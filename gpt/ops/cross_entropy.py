@@ -10,8 +10,7 @@ elementwise pass. The forward's logsumexp is a max pass then a sum-of-exp pass o
 with `one_pass` a single reduction of (max, rescaled sum) pairs: on a GPU it reads the [B, T, V]
 logits once instead of twice (GPT-2 at batch 64 x 1024: 6.6 GB less per step), while on XLA:CPU,
 whose variadic reductions are not vectorised, it was slower (`gpt.runtime.Runtime.lse_one_pass`
-decides; figures in BENCHMARKS.md). `linear_cross_entropy` can take the logsumexp and the gradient
-from one read of the logits instead, as gpt/ops/xent_kernel.py's Pallas kernel (`LinearCE.kernel`).
+decides; figures in BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -20,8 +19,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-from gpt.ops.xent_kernel import xent_rows
 
 
 def cross_entropy_reference(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -106,9 +103,6 @@ class LinearCE(NamedTuple):
     dtype: Any  # the products' compute dtype (float32 accumulation)
     logits_dtype: Any  # what each chunk's logits are written in (Runtime.matmul_out)
     one_pass: bool = False  # the logsumexp as one reduction (Runtime.lse_one_pass)
-    # the gradient's pass as gpt/ops/xent_kernel.py's kernel, a program a row (Runtime.xent_kernel):
-    # "triton" (a GPU), "interpret" (Pallas's interpreter: tests) or "" (XLA's reductions)
-    kernel: str = ""
 
 
 def linear_cross_entropy(h_BTD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array, s: LinearCE) -> jax.Array:
@@ -116,8 +110,7 @@ def linear_cross_entropy(h_BTD: jax.Array, w_VD: jax.Array, targets_BT: jax.Arra
     `cross_entropy`), the head's product formed `s.chunks` slices of T at a time inside the loss,
     so that in more than one the [B, T, V] logits
     and their gradient are never whole in memory (as Liger's fused linear cross-entropy and MaxText's
-    vocabulary tiling do); `s.kernel` takes each chunk's pass over its logits as
-    gpt/ops/xent_kernel.py's kernel. With a gradient, each chunk's softmax - one-hot is applied to
+    vocabulary tiling do). With a gradient, each chunk's softmax - one-hot is applied to
     both products of the head's backward in the forward pass (nothing is recomputed); what the
     backward gets is the two gradients, scaled by the incoming one. T need not divide into chunks: the
     last one is padded, its padding masked out. Reverse-mode only (a custom VJP)."""
@@ -145,17 +138,10 @@ def _chunk_terms(h_BCD, w_VD, y_BC, s: LinearCE):
 
 
 def _chunk_gradient(h_BCD, w_VD, y_BC, scale_BC, s: LinearCE):
-    """One chunk's logsumexp, target logits and (softmax - one-hot) * scale in the compute dtype:
-    XLA's passes, or one kernel a row (`s.kernel`, which takes the padded vocabulary itself)."""
-    if not s.kernel:
-        logits_BCV, lse_BC, target_BC = _chunk_terms(h_BCD, w_VD, y_BC, s)
-        d_BCV = _softmax_minus_onehot(logits_BCV, lse_BC, y_BC, scale_BC[..., None], s.dtype)
-        return lse_BC, target_BC, d_BCV
-    logits_BCV = _chunk_logits(h_BCD, w_VD, s)
-    B, C, V = logits_BCV.shape
-    lse_R, target_R, d_RV = xent_rows(logits_BCV.reshape(B * C, V), y_BC.reshape(-1), scale_BC.reshape(-1),
-                                      s.vocab_size, interpret=s.kernel == "interpret")
-    return lse_R.reshape(B, C), target_R.reshape(B, C), d_RV.reshape(B, C, V).astype(s.dtype)
+    """One chunk's logsumexp, target logits and (softmax - one-hot) * scale in the compute dtype."""
+    logits_BCV, lse_BC, target_BC = _chunk_terms(h_BCD, w_VD, y_BC, s)
+    d_BCV = _softmax_minus_onehot(logits_BCV, lse_BC, y_BC, scale_BC[..., None], s.dtype)
+    return lse_BC, target_BC, d_BCV
 
 
 def _chunked(h_BTD, w_VD, targets_BT, s: LinearCE):

@@ -32,24 +32,25 @@ from gpt.ops.pallas_util import pow2_at_most, pow2_divisor, triton_params
 
 F32 = jnp.float32
 # Entries of each [BR, D] operand (x, g, the stream's gradient) a thread holds, at most, where the
-# row allows: GPT-2's 2 x 768 at 4 warps, 108 registers (ptxas, H200); wider rows take more warps
+# row allows: GPT-2's 2 x 768 at 8 warps is 6, 64 registers (ptxas, H200); wider rows take more warps
 PER_THREAD = 12
 
 
 class Tiles(NamedTuple):
     """The kernel's static choices, fitted by `fit` to the array: rows a tile, tiles a program,
     columns a chunk, Triton's warps; Pallas's interpreter off a GPU."""
-    BR: int = 2  # GPT-2: 2 x 768 entries of x, g and the stream's gradient, 12 a thread each
+    BR: int = 2  # GPT-2: 2 x 768 entries of x, g and the stream's gradient, 6 a thread each
     SUB: int = 16  # partial sums [R / 32, 2, D] float32 (GPT-2, batch 64: 12.6 MB)
     BD: int = 256
-    # ptxas (H200, GPT-2's width): 108 registers, so 4 programs an SM (8 rows at 8 warps: 196, one)
-    warps: int = 4
+    # the fastest of bench/norm.py's five tilings on an H200 at GPT-2's width (0.147 ms against 0.161
+    # at 4 warps, XLA's 0.367; BENCHMARKS.md); ptxas: 64 registers (108 at 4 warps)
+    warps: int = 8
     interpret: bool = False
 
 
 def fit(t: Tiles, R: int, D: int) -> Tiles:
     """`t` fitted to [R, D] so that no tile runs past the array and the registers stay bounded as
-    D grows (ptxas: 4,096 wide at `Tiles()`'s 2 rows and 4 warps spilled): warps doubled (to 32 at
+    D grows (ptxas: 4,096 wide at 2 rows and 4 warps spilled): warps doubled (to 32 at
     most) until a row is at most PER_THREAD entries a thread, then the largest power-of-two BR up
     to t.BR that divides R and keeps a tile within it; chunks of columns a power of two that
     divides D, at least two entries a thread where D allows; SUB the largest divisor of R / BR up
@@ -132,7 +133,7 @@ def norm_backward(x_RD: jax.Array, g_RD: jax.Array, scale_D: jax.Array, stats: R
     kernel = functools.partial(_backward_kernel, t=t, centre=centre, stream=gx_RD is not None, sums=sums)
     out = (jax.ShapeDtypeStruct((R, D), x_RD.dtype), jax.ShapeDtypeStruct((programs, sums, D), F32))
     extra = () if gx_RD is None else (gx_RD,)
-    # one stage: the loop's loads feed reductions, which Triton does not pipeline (xent_kernel.py)
+    # one stage: the loop's loads feed reductions, which Triton does not pipeline
     dx, part = pl.pallas_call(kernel, grid=(programs,), out_shape=out, interpret=t.interpret,
                               compiler_params=triton_params(t.warps, 1, t.interpret))(
         x_RD, g_RD, scale_D, rstd, shift, mean, *extra)
