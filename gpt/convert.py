@@ -237,8 +237,10 @@ def _open_weights(d: Path) -> dict[str, Any]:
     return {name: opened[file] for name, file in weight_map.items()}
 
 
-def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
-    """Read a Hugging Face GPT-2 directory: (ModelConfig, our parameters as float32 numpy arrays)."""
+def hf_dir_config(hf_dir: str | Path) -> tuple[dict, ModelConfig]:
+    """A Hugging Face model directory's config.json, checked, and the ModelConfig it describes:
+    what `load_hf` reads before the weights, and --from_hf before anything (the tokenizer is
+    checked against it before gigabytes of weights are read)."""
     d = Path(hf_dir)
     if not d.is_dir():
         raise UserError(f"Hugging Face model directory {d} does not exist (pass a directory with "
@@ -247,7 +249,13 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
         raise UserError(f"{d} has no {CONFIG_FILE}; a Hugging Face GPT-2 directory needs config.json "
                         f"and model.safetensors")
     hf = _read_hf_config(d / CONFIG_FILE)
-    cfg = config_from_hf(hf, str(d / CONFIG_FILE))
+    return hf, config_from_hf(hf, str(d / CONFIG_FILE))
+
+
+def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """Read a Hugging Face GPT-2 directory: (ModelConfig, our parameters as float32 numpy arrays)."""
+    d = Path(hf_dir)
+    hf, cfg = hf_dir_config(d)
     handles = _open_weights(d)
     gpt2 = hf.get("model_type") == "gpt2"
     prefix = "transformer." if gpt2 and "transformer.wte.weight" in handles else ""
@@ -523,20 +531,20 @@ def _from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite
     if steps and not overwrite:
         raise UserError(f"{out} already holds checkpoints (steps {steps}); pass --overwrite to replace "
                         f"them or choose another --out_dir")
+    hf, cfg = hf_dir_config(hf_dir)  # the tokenizer and the out_dir's own checked before the weights
+    tokenizer = hf_dir_tokenizer(Path(hf_dir), cfg)
+    from gpt.tokenizer import HF_FILE, atomic_write_bytes
+    new_tokenizer = _tokenizer_dest_is_new(out, steps, tokenizer[1] if tokenizer is not None else None)
     cfg, params = load_hf(hf_dir)
     meta: dict[str, Any] = {"format_version": ckpt.FORMAT_VERSION, "step": 0,
                             "config": {"model": to_dict(cfg), "train": {}},
-                            "source": str(Path(hf_dir).absolute()),
-                            "hf_model_type": _read_hf_config(Path(hf_dir) / CONFIG_FILE).get("model_type")}
-    tokenizer = hf_dir_tokenizer(Path(hf_dir), cfg)
+                            "source": str(Path(hf_dir).absolute()), "hf_model_type": hf.get("model_type")}
     if tokenizer is not None:
         meta["tokenizer"] = tokenizer[0]
     else:
         print(f"warning: {hf_dir} has no tokenizer.json (and is not a GPT-2 model with GPT-2's "
               f"vocabulary), so no tokenizer is recorded; sampling from this checkpoint needs one",
               file=sys.stderr)
-    from gpt.tokenizer import HF_FILE, atomic_write_bytes
-    new_tokenizer = _tokenizer_dest_is_new(out, steps, tokenizer[1] if tokenizer is not None else None)
     out.mkdir(parents=True, exist_ok=True)
     ckpt.hold_out_dir(out)  # a folder new at the start is locked once made
     aside = ckpt.set_aside(out) if steps else None  # --overwrite: deleted only once the new one is saved

@@ -102,10 +102,10 @@ def hf_rope(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def _qwen_slides(hf: dict[str, Any]) -> bool:
+def _qwen_slides(hf: dict[str, Any], where: str) -> bool:
     """Whether a Qwen config's window applies to any layer: with use_sliding_window, transformers
     slides the layers from max_window_layers on (default 28), or those its layer_types name."""
-    if not hf.get("use_sliding_window"):
+    if not hf_bool(hf, "use_sliding_window", False, where):
         return False
     if isinstance(hf.get("layer_types"), list):
         return "sliding_attention" in hf["layer_types"]
@@ -119,12 +119,12 @@ def _check_unsupported(hf: dict[str, Any], model_type: str, where: str) -> None:
     # transformers' default where the key is left out (Mistral's, and Qwen's with use_sliding_window)
     window, context = hf.get("sliding_window", DEFAULT_WINDOW), hf.get("max_position_embeddings")
     covers = isinstance(window, int) and isinstance(context, int) and window >= context  # full attention
-    if window is not None and (model_type == "mistral" or _qwen_slides(hf)) and not covers:
+    if window is not None and (model_type == "mistral" or _qwen_slides(hf, where)) and not covers:
         raise UserError(f"{where}: sliding-window attention (sliding_window={window}, shorter than "
                         f"max_position_embeddings={context}) is not supported; set sliding_window to "
                         f"null for full attention")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
+    for key in ("attention_bias", "mlp_bias"):  # "false" (a string) is neither: refused as such
+        if hf_bool(hf, key, False, where):
             raise UserError(f"{where}: {key}=true is not supported (Llama-family models without "
                             f"biases, or Qwen2's q/k/v biases, are)")
 

@@ -151,6 +151,9 @@ def test_a_qwen3_config_without_head_dim_has_transformers_default():
     (dict(rope_theta=float("inf")), "rope_theta=inf must be a positive number"),
     # a string is truthy: "false" tied the model and dropped its own lm_head.weight
     (dict(tie_word_embeddings="false"), "tie_word_embeddings='false' must be true or false"),
+    # the same for the flags of sliding windows and biases (read as true: a misleading refusal)
+    (dict(model_type="qwen2", use_sliding_window="false"), "use_sliding_window='false' must be true or false"),
+    (dict(attention_bias="false"), "attention_bias='false' must be true or false"),
     (dict(num_key_value_heads=0), "num_key_value_heads=0 must be a positive integer"),  # not unset
     (dict(head_dim=True), "head_dim=True must be a positive integer"),  # not a head of width 1
 ])
@@ -251,8 +254,8 @@ def test_a_layer_count_past_the_files_is_refused_before_listing_every_tensor(tmp
 
 def test_from_hf_keeps_a_tokenizer_json_it_did_not_write(tmp_path, monkeypatch):
     """An --out_dir holding a tokenizer.json and no checkpoints (another model's folder): the
-    conversion is refused, not written over it, nor does a failed one delete it; these very bytes
-    (a conversion killed before its save) convert."""
+    conversion is refused before the weights are read, not written over it, nor does a failed one
+    delete it; these very bytes (a conversion killed before its save) convert."""
     from gpt import checkpoint as ckpt
     src, bare, out = tmp_path / "hf", tmp_path / "bare", tmp_path / "out"
     make_hf(src, "qwen2")
@@ -260,8 +263,10 @@ def test_from_hf_keeps_a_tokenizer_json_it_did_not_write(tmp_path, monkeypatch):
     make_hf_tokenizer(src)
     out.mkdir()
     (out / "tokenizer.json").write_text("theirs")
-    with pytest.raises(UserError, match="tokenizer.json is there already, with no checkpoints"):
-        convert.from_hf_to_checkpoint(src, out)
+    with monkeypatch.context() as m:  # refused before a weight is read (gigabytes of a large model)
+        m.setattr(convert, "_open_weights", lambda d: pytest.fail("weights read before the refusal"))
+        with pytest.raises(UserError, match="tokenizer.json is there already, with no checkpoints"):
+            convert.from_hf_to_checkpoint(src, out)
 
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
