@@ -56,10 +56,18 @@ def test_model_logits_cudnn_equal_einsum():
     assert _rel(logits["cudnn"], logits["reference"]) < 1e-2
 
 
+def _gpu_defaults(cfg) -> dict:
+    """The training kernels `gpt.runtime.resolve` turns on for `cfg` on this GPU, which `tiny_gpt`
+    leaves out unless named: a check of the GPU's default step must name them."""
+    from gpt.runtime import TRAINING_KERNELS, resolve
+    rt = resolve(cfg)
+    return {k: getattr(rt, k) for k in TRAINING_KERNELS}
+
+
 def test_bf16_training_tracks_float32():
     """30 steps of the real train step in bf16 (the residual stream in float32, and in bf16 with
-    --residual_dtype=compute) and in float32 from the same init and batches: the losses agree to
-    within bf16's rounding and all fall."""
+    --residual_dtype=compute) and in float32 from the same init and batches, with the GPU's default
+    training kernels: the losses agree to within bf16's rounding and all fall."""
     from gpt.config import TrainConfig
     from gpt.train import make_optimizer, make_train_step
     t = TrainConfig(learning_rate=3e-3, min_lr=3e-4, warmup_iters=5, max_iters=30)
@@ -71,7 +79,7 @@ def test_bf16_training_tracks_float32():
     losses = {}
     for dtype, residual in (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "compute")):
         cfg = tiny_model_config(block_size=64, n_embd=128, n_head=4)
-        gd, params = nnx.split(tiny_gpt(cfg, dtype=dtype, residual_dtype=residual))
+        gd, params = nnx.split(tiny_gpt(cfg, dtype=dtype, residual_dtype=residual, **_gpu_defaults(cfg)))
         params = nnx.to_pure_dict(params)
         tx = make_optimizer(t)
         opt = tx.init(params)
