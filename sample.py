@@ -85,7 +85,7 @@ def main(argv: Sequence[str]) -> int:
         draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens)
     from gpt.sampling import decode_kernels_by_default, with_decode_kernels
     run = (model, cfg.num_samples, draft is not None, jax.default_backend())
-    if cfg.decode_kernels if "decode_kernels" in explicit else decode_kernels_by_default(*run):
+    if cfg.decode_kernels == "true" or (cfg.decode_kernels == "auto" and decode_kernels_by_default(*run)):
         model = with_decode_kernels(*run)
     if cfg.top_k > model.cfg.vocab_size:  # keeps every token, as nanoGPT and transformers take it
         if "top_k" in explicit:

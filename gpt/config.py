@@ -177,9 +177,9 @@ class SampleConfig:
     num_draft_tokens: int = 4  # with --draft_out_dir: tokens the draft proposes per target forward
     # GPU, one sample: each decoded token's layers as hand-written Pallas (Triton) kernels, three a
     # layer and a sum where XLA makes about fourteen (gpt/ops/decode_kernels.py; GPT-2's block, no RoPE).
-    # Not given: on wherever they run (`gpt.sampling.decode_kernels_by_default`); given, a run
-    # where they cannot is refused, and --decode_kernels=false keeps XLA's layers
-    decode_kernels: bool = False
+    # auto: wherever they run (`gpt.sampling.decode_kernels_by_default`); true (a bare
+    # --decode_kernels): a run where they cannot is refused; false: XLA's layers
+    decode_kernels: str = field(default="auto", metadata={"flag": True})
 
 
 MAX_DRAFT_TOKENS = 32  # each draft token is kept only if all before it were: longer drafts are waste
@@ -394,7 +394,9 @@ def build(classes: Sequence[type], argv: Sequence[str], default_preset: str | No
         seps.update({f.name: f.metadata["sep"] for f in fields(cls) if "sep" in f.metadata})
     presettable = any(types.keys() & p.keys() for p in PRESETS.values())  # not sample.py's settings
     valid = sorted(types) + ["preset"] * presettable + ["config"]
-    pairs = split_argv(argv, {k for k, t in types.items() if t is bool})
+    # bools, and settings of more values that a bare --flag sets to true (--no_flag: false)
+    flags = {f.name for cls in classes for f in fields(cls) if f.metadata.get("flag")}
+    pairs = split_argv(argv, {k for k, t in types.items() if t is bool} | flags)
     if not presettable and any(k == "preset" for k, _ in pairs):  # it would do nothing
         raise UserError("--preset sets none of this command's settings (a model's come from its "
                         "checkpoint); leave it out, or run with --help to list the settings")
@@ -624,6 +626,17 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise UserError(f"--top_p={top_p} must be in (0, 1]")
 
 
+def auto_or_bool(key: str, raw: str) -> str:
+    """A setting of auto, true or false (a bool's spellings: 1/0, yes/no, on/off) as one of those
+    three words."""
+    if str(raw).strip().lower() == "auto":
+        return "auto"
+    try:
+        return str(parse_value(key, raw, bool)).lower()
+    except UserError:
+        raise UserError(f"--{key} expects auto, true or false, got {raw!r}") from None
+
+
 def validate_sample(s: SampleConfig) -> SampleConfig:
     if s.num_samples < 1:
         raise UserError(f"--num_samples={s.num_samples} must be at least 1")
@@ -640,6 +653,7 @@ def validate_sample(s: SampleConfig) -> SampleConfig:
                         "text to stop at, or leave --stop out")
     if s.dtype not in _CHOICES["dtype"]:
         raise UserError(f"--dtype={s.dtype} is not valid (choose from {', '.join(_CHOICES['dtype'])})")
+    s.decode_kernels = auto_or_bool("decode_kernels", s.decode_kernels)
     if not 1 <= s.num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise UserError(f"--num_draft_tokens={s.num_draft_tokens} must be 1 to {MAX_DRAFT_TOKENS} (a "
                         f"draft token is kept only if all before it were, so long drafts are wasted "

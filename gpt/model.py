@@ -244,8 +244,8 @@ def mlp_activation(fc_BTF: jax.Array, b_F: jax.Array | None, cfg: ModelConfig) -
 
 def gelu_kernel_fits(cfg: ModelConfig) -> bool:
     """Whether gpt/ops/gelu_kernel.py computes this model's MLP activation: GPT-2's tanh GELU of
-    fc's product plus a bias."""
-    return cfg.mlp == "gelu" and cfg.activation == "gelu_tanh" and cfg.bias
+    fc's product plus a bias, at a width it tiles (`gelu_kernel.fits`)."""
+    return cfg.mlp == "gelu" and cfg.activation == "gelu_tanh" and cfg.bias and gelu_lib.fits(cfg.ffn)
 
 
 def _value(p: nnx.Param | None):
@@ -302,8 +302,10 @@ def _norm(scale, bias, alpha) -> dict:
 def uses_norm_kernel(rt: Runtime, cfg: ModelConfig, cached: bool) -> bool:
     """Whether a norm runs with gpt/ops/norm_kernel.py's backward (`Runtime.norm_kernel`): LayerNorm
     and RMSNorm, not DyT; in training and evaluation, not with a cache (decoding, a few rows a
-    step); `Block.norm_stream` has its own exceptions."""
-    return bool(rt.norm_kernel) and not cached and cfg.norm in ("layernorm", "rmsnorm")
+    step); widths it takes in few chunks (`norm_kernel.fits`); `Block.norm_stream` has its own
+    exceptions."""
+    return (bool(rt.norm_kernel) and not cached and cfg.norm in ("layernorm", "rmsnorm")
+            and norm_lib.fits(cfg.n_embd))
 
 
 def kernel_norm(x_BTD: jax.Array, scale: nnx.Param, bias: nnx.Param | None, cfg: ModelConfig, rt: Runtime,

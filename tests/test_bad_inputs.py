@@ -363,6 +363,7 @@ def cases(w) -> list[Case]:
         Case("sample endless prompt file", S + ["--prompt_file=/dev/zero"], "not a text prompt", good),
         Case("sample seed negative", S + ["--seed=-5"], "--seed=-5", good),
         Case("sample decode kernels off a GPU", S + ["--decode_kernels"], "needs an NVIDIA GPU", good),
+        Case("sample decode kernels not a choice", S + ["--decode_kernels=maybe"], "auto, true or false", good),
         Case("data workers above cores", D + ["--input", str(root / "text.txt"), "--tokenizer=char", "--workers=1000",
                                               f"--out_dir={new}"], "--workers=1000", new),
         Case("data out_dir is the input", D + ["--input", str(root / "textdir"), "--tokenizer=char",

@@ -212,3 +212,20 @@ def test_sizes_past_int32_are_one_line():
                  ["--gradient_accumulation_steps=1e13"]):
         with pytest.raises(UserError, match="beyond what any setting takes"):
             parse(argv)
+
+
+def test_decode_kernels_is_auto_true_or_false():
+    """sample.py --decode_kernels: auto by default (the kernels wherever they run, as --help shows);
+    a bare flag is true, --no_decode_kernels false, a bool's spellings and a config file's true
+    too; anything else is one line naming the three."""
+    from gpt.config import SampleConfig, build, help_text, validate_sample
+    from gpt.errors import UserError
+
+    def value(*argv):
+        return validate_sample(build([SampleConfig], list(argv))[0][0]).decode_kernels
+    assert value() == "auto" and "--decode_kernels='auto'" in help_text([SampleConfig])
+    assert value("--decode_kernels") == value("--decode_kernels=yes") == "true"
+    assert value("--no_decode_kernels") == value("--decode_kernels=0") == value("--decode_kernels", "off") == "false"
+    assert value("--decode_kernels=AUTO", "--prompt=x") == "auto"
+    with pytest.raises(UserError, match="--decode_kernels expects auto, true or false, got 'maybe'"):
+        value("--decode_kernels=maybe")

@@ -191,13 +191,18 @@ def _same_objective(xla, kernels, x) -> None:
 
 def test_gpu_default_training_kernels_fit_odd_shapes():
     """On a GPU `gpt.runtime.resolve` turns both training kernels on, and their tiles fit shapes
-    that are no power of two (n_embd 100 read in chunks of 4, 21 rows, an MLP 400 wide): the
-    objective is XLA's path's."""
+    that are no power of two (n_embd 96 read in 3 chunks of 32, 21 rows, an MLP 384 wide): both
+    run, and the objective is XLA's path's."""
+    from gpt import train
     from gpt.config import ComputeConfig
     from gpt.model import GPT
     from gpt.runtime import resolve
-    cfg = tiny_model_config(block_size=8, n_embd=100, n_head=4)
+    cfg = tiny_model_config(block_size=8, n_embd=96, n_head=4)
     rt = resolve(cfg, ComputeConfig(dtype="float32"))
     assert rt.norm_kernel == rt.gelu_kernel == "triton"
     x = jnp.asarray(np.random.default_rng(1).integers(0, 65, (3, 7)), jnp.int32)
-    _same_objective(tiny_gpt(cfg), GPT(cfg, rngs=nnx.Rngs(0), runtime=rt), x)
+    model = GPT(cfg, rngs=nnx.Rngs(0), runtime=rt)
+    gd, params = nnx.split(model)
+    grad = jax.grad(lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining())[0])
+    assert str(jax.make_jaxpr(grad)(params)).count("pallas_call") >= 2  # the norms' and GELU's
+    _same_objective(tiny_gpt(cfg), model, x)

@@ -39,6 +39,16 @@ class Tiles(NamedTuple):
     interpret: bool = False
 
 
+# The narrowest tile the MLP's width may take (tiles must divide it): a width with fewer factors of
+# two would run many programs of a few entries each, so it keeps XLA's fusion (`fits`)
+MIN_BF = 64
+
+
+def fits(F: int) -> bool:
+    """Whether an MLP F wide takes tiles at least MIN_BF columns wide."""
+    return pow2_divisor(F, Tiles().BF) >= MIN_BF
+
+
 def fit(t: Tiles, R: int, F: int) -> Tiles:
     """`t` with its tile shrunk to divide [R, F]: no tile runs past the array, so nothing is masked."""
     return t._replace(BR=pow2_divisor(R, t.BR), BF=pow2_divisor(F, t.BF))

@@ -63,6 +63,18 @@ def fit(t: Tiles, R: int, D: int) -> Tiles:
     return t._replace(BR=BR, SUB=SUB, BD=pow2_divisor(D, max(t.BD, 64 * warps)), warps=warps)
 
 
+# Chunks of a row the kernel takes at most: each is unrolled, so a width with few factors of two
+# (GPT-2 XL's 1,600: 25 chunks of 64, 237 registers by ptxas; an odd width: one column a chunk)
+# would compile long and spill. Such widths keep XLA's norms (`fits`). Llama's and Qwen's widths
+# (4,096: 4 chunks; 3,584: 7) and GPT-2's up to large (1,280: 5) fit.
+MAX_CHUNKS = 8
+
+
+def fits(D: int) -> bool:
+    """Whether rows D wide take at most MAX_CHUNKS chunks at `fit`'s tiles."""
+    return D // fit(Tiles(), 1, D).BD <= MAX_CHUNKS
+
+
 def _load_stats(refs: tuple, rows: pl.Slice, centre: bool
                 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """The tile's 1/std, shift and mean of x - shift as [BR, 1] columns (RMSNorm: 1/rms alone)."""

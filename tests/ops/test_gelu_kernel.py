@@ -51,3 +51,13 @@ def test_tiles_fit_powers_of_two_that_divide():
 def test_tanh_saturates_without_nan():
     u = jnp.array([-1e30, -100.0, -1.0, 0.0, 1.0, 100.0, 1e30, jnp.inf, -jnp.inf])
     np.testing.assert_allclose(np.asarray(gk._tanh(u)), np.tanh(np.asarray(u)), atol=1e-7)
+
+
+def test_narrow_tiles_keep_xlas_fusion():
+    """An MLP whose width takes tiles under MIN_BF columns (few factors of two) keeps XLA's
+    fusion, in the model too (`gpt.model.gelu_kernel_fits`)."""
+    from gpt.model import gelu_kernel_fits
+    from helpers import tiny_model_config
+    assert gk.fits(3072) and gk.fits(384) and gk.fits(64) and not gk.fits(400) and not gk.fits(99)
+    assert gelu_kernel_fits(tiny_model_config(n_embd=96, n_head=2))
+    assert not gelu_kernel_fits(tiny_model_config(n_embd=100, n_head=2))

@@ -111,3 +111,16 @@ def test_tiles_fit_the_array_and_bound_the_registers():
     for R, D in ((65536, 768), (24, 96), (15, 100), (65536, 1600), (7, 4096), (8, 8192)):
         t = nk.fit(nk.Tiles(), R, D)
         assert R % (t.BR * t.SUB) == 0 and D % t.BD == 0 and t.BR * D <= nk.PER_THREAD * 32 * t.warps
+
+
+def test_widths_of_many_chunks_keep_xlas_norms():
+    """The kernel unrolls a row's chunks: widths of at most MAX_CHUNKS chunks take it (GPT-2's,
+    Llama's, Qwen's), GPT-2 XL's 1,600 (25 of 64) and odd widths keep XLA's norms, and so does
+    the model (`gpt.model.uses_norm_kernel`)."""
+    from gpt.model import uses_norm_kernel
+    from helpers import tiny_model_config, tiny_runtime
+    assert all(nk.fits(D) for D in (32, 96, 768, 1024, 1280, 2048, 3584, 4096, 5120, 8192))
+    assert not any(nk.fits(D) for D in (1600, 99, 100, 4100))
+    rt = tiny_runtime(tiny_model_config(), norm_kernel="interpret")
+    assert uses_norm_kernel(rt, tiny_model_config(n_embd=96, n_head=2), cached=False)
+    assert not uses_norm_kernel(rt, tiny_model_config(n_embd=100, n_head=2), cached=False)
