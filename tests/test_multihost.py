@@ -62,7 +62,8 @@ def train_losses(out_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in recs if r.get("kind") == "train"]
 
 
-GLOO = re.compile(r"\[Gloo\] Rank |\d*\s*is connected to \d+ peer ranks\.|"
+# a fragment may also end a line mid-message ("5 is connected to ") and the next begin with the rest
+GLOO = re.compile(r"\[Gloo\] Rank |\d*\s*is connected to( \d+( peer ranks\.)?)?\s*|\d*\s*peer ranks\.|"
                   r"\s*Expected number of connected peer ranks is : \d+")
 
 
