@@ -57,10 +57,11 @@ BENCH_KEYS = {"steps": int, "warmup": int, "chain": int, "dtypes": str, "ceiling
 # call), with their values' types: the cross-entropy's one-pass logsumexp (GPU only), the MLP
 # activation's recomputation, the dense layers' hand-written backward (every backend) and the
 # Pallas kernels of the MLP's activation and of the norms' backward (gpt/ops/gelu_kernel.py,
-# norm_kernel.py: triton, a GPU's default; interpret elsewhere; empty for XLA's fusions), and
-# XLA:GPU's CUDA graphs in the step (command_buffers); the attention kernel is train.py's own --attention
+# norm_kernel.py: triton, a GPU's default; interpret elsewhere; empty for XLA's fusions) and of the
+# loss (xent_kernel.py, off by default), and XLA:GPU's CUDA graphs in the step (command_buffers);
+# the attention kernel is train.py's own --attention
 RUNTIME_KNOBS = {"lse_one_pass": bool, "mlp_recompute": bool, "dense_vjp": bool,
-                 "gelu_kernel": str, "norm_kernel": str, "command_buffers": bool}
+                 "gelu_kernel": str, "norm_kernel": str, "xent_kernel": str, "command_buffers": bool}
 BENCH_DEFAULTS = {"steps": 5, "warmup": 2, "chain": 1, "dtypes": "", "ceiling_n": 0, "ceiling_reps": 10,
                   "runtime": ""}
 

@@ -38,7 +38,7 @@ from gpt.ops import decode_kernels as dk
 from gpt.ops import gelu_kernel as gelu_lib
 from gpt.ops import norm_kernel as norm_lib
 from gpt.ops.attention import attention, cached_attention, repeat_kv_heads
-from gpt.ops.cross_entropy import LinearCE, cross_entropy, linear_cross_entropy
+from gpt.ops.cross_entropy import LinearCE, cross_entropy, cross_entropy_rows, linear_cross_entropy
 from gpt.ops.dense import contract_last, decode_dense, dense
 from gpt.ops.dropout import dropout
 from gpt.ops.norm import layer_norm, norm_factors, rms_norm
@@ -649,14 +649,20 @@ class GPT(nnx.Module):
         `forward` then `cross_entropy` give it. In more than one chunk (`Runtime.loss_chunks`, or
         the CPU's auto for a large vocabulary, where it was faster: `gpt.runtime.loss_chunks_for`)
         the head's product is formed inside the loss a slice of T at a time
-        (`linear_cross_entropy`): the [B, T, V] logits and their gradient are never whole."""
+        (`linear_cross_entropy`): the [B, T, V] logits and their gradient are never whole. In one,
+        with `Runtime.xent_kernel`, the whole logits go unmasked to `cross_entropy_rows`, whose
+        kernel masks the padded vocabulary and gives the gradient in the forward pass."""
         rt = self.rt
         chunks = runtime_lib.loss_chunks_for(rt.loss_chunks, *idx_BT.shape, self.cfg.padded_vocab_size)
         kw = dict(dropout_key=dropout_key, capacity_factor=capacity_factor)
-        if chunks <= 1:
+        if chunks <= 1 and not rt.xent_kernel:
             logits_BTV, _, stats = self.forward(idx_BT, **kw)
             return cross_entropy(logits_BTV, targets_BT, rt.lse_one_pass), stats
         h_BTD, _, stats = self.forward(idx_BT, hidden=True, **kw)
+        if chunks <= 1:
+            logits_BTV = _matmul(rt, rt.matmul_out)(h_BTD, self.head[...], "btd,vd->btv")
+            return cross_entropy_rows(logits_BTV, targets_BT, self.cfg.vocab_size, rt.lse_one_pass,
+                                      rt.xent_kernel == "interpret"), stats
         s = LinearCE(chunks, self.cfg.vocab_size, rt.dtype, rt.matmul_out, rt.lse_one_pass)
         return linear_cross_entropy(h_BTD, self.head[...], targets_BT, s), stats
 

@@ -31,8 +31,9 @@ from gpt.ops.attention import ATTENTION_BLOCK
 
 _USER_ATTENTION = {"einsum": "reference", "xla": "xla", "cudnn": "cudnn"}
 DECODE_WEIGHTS = ("rows", "dot", "")  # Runtime.decode_weights
-PALLAS_MODES = ("triton", "interpret", "")  # Runtime.decode_kernels, gelu_kernel, norm_kernel
-TRAINING_KERNELS = ("gelu_kernel", "norm_kernel")  # one device each (`on_mesh`)
+PALLAS_MODES = ("triton", "interpret", "")  # Runtime.decode_kernels, gelu_kernel, norm_kernel, xent_kernel
+TRAINING_KERNELS = ("gelu_kernel", "norm_kernel", "xent_kernel")  # one device each (`on_mesh`)
+GPU_DEFAULT_KERNELS = ("gelu_kernel", "norm_kernel")  # each made the H200's step shorter (`resolve`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,13 @@ class Runtime:
     # kernel, which also adds the residual stream's own gradient (`Block.norm_stream`), "triton" or
     # "interpret" as above; "" XLA's fusions. A GPU's default: GPT-2's step 4 ms shorter on an H200
     norm_kernel: str = ""
+    # The training loss's logsumexp, target logit and gradient over the logits from one read, in the
+    # forward pass, as gpt/ops/xent_kernel.py's kernel (`gpt.ops.cross_entropy.cross_entropy_rows`;
+    # the whole logits, not in slices), "triton" or "interpret" as above; "" XLA's passes. Off
+    # until a GPU has timed it this way (bench/train.py --runtime=xent_kernel=triton): alone the
+    # kernel took 5.6 ms against XLA's 8.1 on an H200, but through the sliced loss's structure the
+    # step was slower (BENCHMARKS.md)
+    xent_kernel: str = ""
     # XLA:GPU's command buffers (CUDA graphs) in the compiled training step; False compiles the
     # step without them (`compiler_options`, for A/B timing: the H200's step was 1.5 ms longer
     # without); decoding keeps its graph a token. Nothing on other backends
@@ -400,9 +408,9 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
     JAX's default backend); `override` replaces resolved fields (tests: another kernel, a smaller
     attention block, the GPU's layouts on CPU). On CPU it also tunes the host allocator once
     (`keep_host_memory`), since every compiled step there runs out of malloc'ed memory. On a GPU the
-    training kernels (TRAINING_KERNELS) are on: each made the H200's GPT-2 step shorter, and the
-    model applies them where they fit (`gpt.model.uses_norm_kernel`, `gelu_kernel_fits`); a mesh
-    of several devices turns them off (`on_mesh`)."""
+    training kernels of GPU_DEFAULT_KERNELS are on: each made the H200's GPT-2 step shorter, and
+    the model applies them where they fit (`gpt.model.uses_norm_kernel`, `gelu_kernel_fits`); a
+    mesh of several devices turns them off (`on_mesh`)."""
     c = compute or ComputeConfig()
     backend = backend or jax.default_backend()
     if backend == "cpu":
@@ -418,5 +426,5 @@ def resolve(cfg: ModelConfig, compute: ComputeConfig | None = None, backend: str
                  matmul_out=jnp.dtype("float32") if backend == "cpu" else jnp.dtype(dtype),
                  residual=jnp.dtype({"float32": jnp.float32, "compute": dtype}[c.residual_dtype]),
                  loss_chunks=c.loss_chunks or (0 if backend == "cpu" else 1),
-                 **dict.fromkeys(TRAINING_KERNELS, "triton" if backend == "gpu" else ""))
+                 **dict.fromkeys(GPU_DEFAULT_KERNELS, "triton" if backend == "gpu" else ""))
     return dataclasses.replace(rt, **override)

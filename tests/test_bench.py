@@ -54,15 +54,15 @@ def test_bench_runtime_override():
         "lse_one_pass": False, "mlp_recompute": True}
     assert runtime_override("") == {}
     assert runtime_override("dense_vjp=0") == {"dense_vjp": False}  # train.py's spellings of a bool
-    assert runtime_override("gelu_kernel=interpret,norm_kernel=interpret") == {
-        "gelu_kernel": "interpret", "norm_kernel": "interpret"}
+    assert runtime_override("gelu_kernel=interpret,norm_kernel=interpret,xent_kernel=interpret") == {
+        "gelu_kernel": "interpret", "norm_kernel": "interpret", "xent_kernel": "interpret"}
     assert runtime_override("norm_kernel=triton") == {"norm_kernel": "triton"}  # compiled for a GPU anywhere
     assert runtime_override("gelu_kernel=,norm_kernel=") == {"gelu_kernel": "", "norm_kernel": ""}  # XLA's
     assert runtime_override("command_buffers=false") == {"command_buffers": False}
     with pytest.raises(UserError, match="norm_kernel=triton needs a GPU"):  # timed only on one
         runs_here({"norm_kernel": "triton", "dense_vjp": False})
     for bad, says in (("foo=1", "foo"), ("dense_vjp", "dense_vjp"), ("dense_vjp=maybe", "true or false"),
-                      ("dtype=true", "dtype"), ("xent_kernel=triton", "xent_kernel"), ("norm_kernel=cuda", "triton"),
+                      ("dtype=true", "dtype"), ("xent_kernel=cuda", "triton"), ("norm_kernel=cuda", "triton"),
                       ("gelu_kernel=cuda", "gelu_kernel is one of")):
         with pytest.raises(UserError, match=says):
             runtime_override(bad)

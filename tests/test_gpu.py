@@ -159,10 +159,11 @@ def test_decode_kernels_on_gpu(dtype):
     assert _rel(last["triton", dtype], ref) < max(2 * _rel(last["", dtype], ref), 1e-2)
 
 
-@pytest.mark.parametrize("kernels", [dict(norm_kernel="triton"), dict(gelu_kernel="triton", norm_kernel="triton")],
-                         ids=["norm", "all"])
+@pytest.mark.parametrize("kernels", [dict(norm_kernel="triton"), dict(gelu_kernel="triton", norm_kernel="triton"),
+                                     dict(gelu_kernel="triton", norm_kernel="triton", xent_kernel="triton")],
+                         ids=["norm", "defaults", "all"])
 def test_training_kernels_on_gpu(kernels):
-    """The Pallas training kernels (`Runtime.norm_kernel`, and with GELU's: a GPU's defaults) as
+    """The Pallas training kernels (`Runtime.norm_kernel`; with GELU's, a GPU's defaults; with the loss's) as
     Triton kernels: in float32 (highest matmul precision) the training objective's value and
     gradients are XLA's path's; in the GPU's bf16 settings its gradients lie no further from
     float32's than XLA's path's do (the kernels round in other places)."""

@@ -412,9 +412,10 @@ def test_for_decoding_is_the_same_model(name, weights):
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "moe"])
 def test_chunked_loss_is_the_same_loss(arch):
     """GPT.loss with loss_chunks (the head formed inside the loss, 3 slices of T = 8, the last
-    padded) == the logits then cross_entropy, in value and in every gradient: a tied head
-    (GPT-2), an untied one (Llama's w_head) and a mixture of experts through the training
-    objective (capacity applied)."""
+    padded), and with the loss's kernel over the whole unmasked logits (`cross_entropy_rows`),
+    == the logits then cross_entropy, in value and in every gradient: a tied head (GPT-2), an
+    untied one (Llama's w_head) and a mixture of experts through the training objective
+    (capacity applied)."""
     from gpt import train
     cfg = tiny_model_config(vocab_size=61, **{
         "gpt2": {}, "moe": dict(n_expert=4, n_expert_per_token=2),
@@ -422,16 +423,17 @@ def test_chunked_loss_is_the_same_loss(arch):
                       tie_embeddings=False)}[arch])
     x = tokens(2, 8, 61)
     results = {}
-    for chunks in (1, 3):
-        model = make(cfg, loss_chunks=chunks, attention="reference")
+    for chunks, kernel in ((1, ""), (3, ""), (1, "interpret")):  # the last: gpt/ops/xent_kernel.py
+        model = make(cfg, loss_chunks=chunks, attention="reference", xent_kernel=kernel)
         assert model.rt.loss_chunks == chunks
         gd, params = nnx.split(model)
         fn = lambda p: train.objective(gd, p, x, x, moe=train.moe_lib.MoETraining(capacity_factor=1.25))[0]  # noqa: E731
         jaxpr = str(jax.make_jaxpr(fn)(params))
         assert ("_linear_ce" in jaxpr) == (chunks > 1)
-        results[chunks] = jax.jit(jax.value_and_grad(fn))(params)
-    la, ga = results[1]
-    for lb, gb in (results[3],):
+        assert ("pallas_call" in str(jax.make_jaxpr(jax.grad(fn))(params))) == bool(kernel)  # it ran
+        results[chunks, kernel] = jax.jit(jax.value_and_grad(fn))(params)
+    la, ga = results[1, ""]
+    for lb, gb in (results[3, ""], results[1, "interpret"]):
         np.testing.assert_allclose(float(la), float(lb), rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), ga, gb)
 

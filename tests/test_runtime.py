@@ -270,29 +270,30 @@ def test_loss_chunks_auto_on_cpu_only():
 
 
 def test_pallas_kernel_choices_are_checked():
-    """Runtime.decode_kernels, gelu_kernel and norm_kernel take triton, interpret or nothing; the
-    training kernels are a GPU's default (the H200's step was shorter with each), nowhere else,
-    and refuse a mesh of several devices (a pallas_call has no sharding rule: XLA would gather
-    every row of their operands onto every device)."""
+    """Runtime.decode_kernels, gelu_kernel, norm_kernel and xent_kernel take triton, interpret or
+    nothing; the GELU and norm kernels are a GPU's default (the H200's step was shorter with each),
+    nowhere else, the loss's nowhere yet; the training kernels refuse a mesh of several devices
+    (a pallas_call has no sharding rule: XLA would gather every row of their operands onto every
+    device)."""
     import dataclasses
     from types import SimpleNamespace
     rt = resolve(tiny_model_config(), backend="gpu")
-    assert rt.gelu_kernel == rt.norm_kernel == "triton" and rt.decode_kernels == ""
+    assert rt.gelu_kernel == rt.norm_kernel == "triton" and rt.decode_kernels == rt.xent_kernel == ""
     for backend in ("cpu", "tpu"):
         other = resolve(tiny_model_config(), backend=backend)
-        assert other.gelu_kernel == other.norm_kernel == other.decode_kernels == ""
-    assert not hasattr(rt, "xent_kernel")  # slower in the H200's step: removed (BENCHMARKS.md)
-    for field in ("decode_kernels", "gelu_kernel", "norm_kernel"):
+        assert other.gelu_kernel == other.norm_kernel == other.decode_kernels == other.xent_kernel == ""
+    for field in ("decode_kernels", "gelu_kernel", "norm_kernel", "xent_kernel"):
         with pytest.raises(ValueError, match=field):
             dataclasses.replace(rt, **{field: "cuda"})
     assert dataclasses.replace(rt, mesh=SimpleNamespace(size=1)).norm_kernel == "triton"
-    for field in ("gelu_kernel", "norm_kernel"):
+    for field in ("gelu_kernel", "norm_kernel", "xent_kernel"):
         with pytest.raises(ValueError, match="one device"):
             dataclasses.replace(rt, **{field: "triton"}, mesh=SimpleNamespace(size=2))
     # training over a mesh (gpt.train): XLA's path over several devices, the kernels on one
-    assert on_mesh(rt, fake_mesh(data=1)).norm_kernel == "triton"
+    rt = dataclasses.replace(rt, xent_kernel="triton")
+    assert on_mesh(rt, fake_mesh(data=1)).norm_kernel == on_mesh(rt, fake_mesh(data=1)).xent_kernel == "triton"
     several = on_mesh(rt, fake_mesh(data=8))
-    assert several.gelu_kernel == several.norm_kernel == "" and several.mesh.size == 8
+    assert several.gelu_kernel == several.norm_kernel == several.xent_kernel == "" and several.mesh.size == 8
 
 
 def fake_mesh(**sizes):

@@ -10,7 +10,8 @@ elementwise pass. The forward's logsumexp is a max pass then a sum-of-exp pass o
 with `one_pass` a single reduction of (max, rescaled sum) pairs: on a GPU it reads the [B, T, V]
 logits once instead of twice (GPT-2 at batch 64 x 1024: 6.6 GB less per step), while on XLA:CPU,
 whose variadic reductions are not vectorised, it was slower (`gpt.runtime.Runtime.lse_one_pass`
-decides; figures in BENCHMARKS.md).
+decides; figures in BENCHMARKS.md). `cross_entropy_rows` takes the logsumexp, the target's logit
+and the gradient from one kernel instead (gpt/ops/xent_kernel.py), in the forward pass.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from gpt.ops.xent_kernel import xent_rows
 
 
 def cross_entropy_reference(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -94,6 +97,34 @@ def _bwd(one_pass, res, g):
 
 
 cross_entropy.defvjp(_fwd, _bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def cross_entropy_rows(logits_BTV: jax.Array, targets_BT: jax.Array, vocab: int, one_pass: bool = False,
+                       interpret: bool = False) -> jax.Array:
+    """`cross_entropy` of logits whose entries from `vocab` on are a padded vocabulary's, not yet
+    masked (the kernel masks them as it reads, where a mask of its own would be a pass over the
+    logits). With a gradient, gpt/ops/xent_kernel.py's kernel (Pallas's interpreter with
+    `interpret`) writes (softmax - one-hot) / N in the forward pass from the same read that gives
+    the logsumexp, and keeps it in place of the logits: the backward only scales it by the
+    incoming gradient, which under jax.grad is the constant 1 that XLA folds away. Without a
+    gradient (evaluation) it is `cross_entropy`'s XLA path."""
+    cols_V = jnp.arange(logits_BTV.shape[-1])
+    return cross_entropy(jnp.where(cols_V < vocab, logits_BTV, -jnp.inf), targets_BT, one_pass)
+
+
+def _rows_fwd(logits_BTV, targets_BT, vocab, one_pass, interpret):
+    V, n = logits_BTV.shape[-1], targets_BT.size
+    lse_R, target_R, d_RV = xent_rows(logits_BTV.reshape(-1, V), targets_BT.reshape(-1),
+                                      jnp.full((n,), 1.0 / n, jnp.float32), vocab, interpret=interpret)
+    return jnp.mean(lse_R - target_R), d_RV.reshape(logits_BTV.shape)
+
+
+def _rows_bwd(vocab, one_pass, interpret, d_BTV, g):
+    return g.astype(d_BTV.dtype) * d_BTV, None  # (a constant 1 under jax.grad: no pass at all)
+
+
+cross_entropy_rows.defvjp(_rows_fwd, _rows_bwd)
 
 
 class LinearCE(NamedTuple):

@@ -184,3 +184,26 @@ def test_linear_cross_entropy_in_bf16():
     np.testing.assert_allclose(float(value), float(exact[0]), rtol=2e-2)
     np.testing.assert_allclose(np.asarray(gw), np.asarray(exact[1][1]), atol=2e-3)
     np.testing.assert_allclose(np.asarray(gh, np.float32), np.asarray(exact[1][0]), atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropy_rows_is_cross_entropy_of_the_masked_logits(dtype):
+    """cross_entropy_rows over unmasked logits of a padded vocabulary == cross_entropy over the
+    masked ones: the value without a gradient (XLA's path), the value and the gradient through
+    the kernel (Pallas's interpreter), written in the logits' dtype, and a gradient scaled by an
+    incoming one other than 1."""
+    from gpt.ops.cross_entropy import cross_entropy_rows
+    k = jax.random.split(jax.random.key(5), 2)
+    logits = (3.0 * jax.random.normal(k[0], (2, 6, 40))).astype(dtype)
+    y = jax.random.randint(k[1], (2, 6), 0, 37)
+    masked = jnp.where(jnp.arange(40) < 37, logits, -jnp.inf)
+    rows = lambda a: cross_entropy_rows(a, y, 37, False, True)  # noqa: E731
+    want, want_grad = jax.value_and_grad(lambda a: 3.0 * cross_entropy(a, y))(masked)
+    assert "pallas_call" not in str(jax.make_jaxpr(rows)(logits))  # evaluation: XLA's path
+    assert "pallas_call" in str(jax.make_jaxpr(jax.grad(rows))(logits))
+    np.testing.assert_allclose(float(rows(logits)), float(want) / 3, rtol=1e-6)
+    value, grad = jax.value_and_grad(lambda a: 3.0 * rows(a))(logits)
+    assert grad.dtype == logits.dtype and not np.any(np.asarray(grad)[..., 37:])
+    np.testing.assert_allclose(float(value), float(want), rtol=1e-6)
+    atol = 1e-6 if dtype == "float32" else 3e-3
+    np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(want_grad, np.float32), atol=atol)
