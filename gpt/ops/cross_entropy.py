@@ -108,7 +108,8 @@ def cross_entropy_rows(logits_BTV: jax.Array, targets_BT: jax.Array, vocab: int,
     `interpret`) writes (softmax - one-hot) / N in the forward pass from the same read that gives
     the logsumexp, and keeps it in place of the logits: the backward only scales it by the
     incoming gradient, which under jax.grad is the constant 1 that XLA folds away. Without a
-    gradient (evaluation) it is `cross_entropy`'s XLA path."""
+    gradient (evaluation) it is `cross_entropy`'s XLA path. First-order reverse mode only: a
+    second derivative would differentiate the pallas_call, which Pallas cannot (it fails there)."""
     cols_V = jnp.arange(logits_BTV.shape[-1])
     return cross_entropy(jnp.where(cols_V < vocab, logits_BTV, -jnp.inf), targets_BT, one_pass)
 

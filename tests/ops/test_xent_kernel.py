@@ -1,6 +1,7 @@
 """gpt/ops/xent_kernel.py against float64, in Pallas's interpreter (and, marked `gpu`, as a Triton
 kernel: `pytest -m gpu`): rows whose blocks tile V and rows with a pulled-back last block, targets
-in every kind of block, a padded vocabulary, bf16 logits. Its speed is a GPU's (bench/xent.py)."""
+in every kind of block, a padded vocabulary, bf16 logits. Its speed is a GPU's (BENCHMARKS.md:
+bench/xent.py, which timed it, went with the kernel's first removal)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
