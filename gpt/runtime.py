@@ -83,7 +83,7 @@ class Runtime:
     # kernel, which also adds the residual stream's own gradient (`Block.norm_stream`), "triton" or
     # "interpret" as above; "" XLA's fusions. A GPU's default: GPT-2's step 4 ms shorter on an H200
     norm_kernel: str = ""
-    # The training loss's logsumexp, target logit and gradient over the logits from one read, in the
+    # The training loss's logsumexp, target logit and gradient over the logits in one kernel, in the
     # forward pass, as gpt/ops/xent_kernel.py's kernel (`gpt.ops.cross_entropy.cross_entropy_rows`;
     # the whole logits, not in slices), "triton" or "interpret" as above; "" XLA's passes. Off
     # until a GPU has timed it this way (bench/train.py --runtime=xent_kernel=triton): alone the
