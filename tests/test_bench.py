@@ -339,6 +339,7 @@ def test_decode_layer_kernels_match_xlas_blocks():
         "error": "AssertionError: the next block's zeros are not zeros"}
 
 
+@pytest.mark.slow  # 33 s of Pallas's interpreter; a GPU runs these paths in bench/gpu.py's kernels part
 def test_decode_layer_timing_paths_run_on_cpu(monkeypatch):
     """decode_layer.py's timed programs (chains in a loop, donated caches and flows, the whole
     token with the fastest pair of each block) run and report every variant."""

@@ -468,25 +468,31 @@ def test_gelu_kernel_is_the_same_training_objective():
     assert "pallas_call" not in str(jax.make_jaxpr(lambda x: model(x, cache=cache))(x))
 
 
-def test_norm_kernel_is_the_same_training_objective():
+NORM_KERNEL_CONFIGS = {"gpt2": {}, "nobias": dict(bias=False),
+                       "llama": dict(norm="rmsnorm", mlp="swiglu", pos_embedding="rope", bias=False, n_kv_head=1),
+                       "moe": dict(n_layer=4, n_expert=4, n_expert_per_token=2, moe_every=2),
+                       "dyt": dict(norm="dyt")}
+
+
+@pytest.mark.parametrize("name", ci_first(list(NORM_KERNEL_CONFIGS), {"gpt2", "llama"}))
+def test_norm_kernel_is_the_same_training_objective(name):
     """Runtime.norm_kernel: the norms' backward as gpt/ops/norm_kernel.py's kernel (Pallas's
     interpreter here), the stream's gradient added in it, gives the training objective's value and
     every gradient of XLA's, unrolled and scanned, for GPT-2's LayerNorm, one without biases,
-    Llama's RMSNorm and a MoE model (whose router's norm keeps XLA's); DyT keeps XLA's, and so
-    does decoding."""
+    Llama's RMSNorm and a MoE model (whose router's norm keeps XLA's); DyT keeps XLA's."""
     x = tokens(2, 8, 61)
-    configs = {"gpt2": {}, "nobias": dict(bias=False),
-               "llama": dict(norm="rmsnorm", mlp="swiglu", pos_embedding="rope", bias=False, n_kv_head=1),
-               "moe": dict(n_layer=4, n_expert=4, n_expert_per_token=2, moe_every=2),
-               "dyt": dict(norm="dyt")}
-    for name, kw in configs.items():
-        for scan in (False, True) if name == "gpt2" else (False,):
-            _same_objective_with_kernel(tiny_model_config(vocab_size=61, **kw), x, scan, "norm_kernel",
-                                        name != "dyt", atol=2e-6)
+    for scan in (False, True) if name == "gpt2" else (False,):
+        _same_objective_with_kernel(tiny_model_config(vocab_size=61, **NORM_KERNEL_CONFIGS[name]), x, scan,
+                                    "norm_kernel", name != "dyt", atol=2e-6)
+
+
+def test_norm_kernel_is_not_for_decoding_nor_lora_blocks():
+    """Decoding keeps XLA's norms, and so do blocks with LoRA adapters (their rows feed the
+    adapters too): the final norm's alone runs the kernel there."""
+    x = tokens(2, 8, 61)
     model = make(tiny_model_config(vocab_size=61), attention="reference", norm_kernel="interpret")
     cache = M.init_cache(model.cfg, 2, 16, jnp.float32)
     assert "pallas_call" not in str(jax.make_jaxpr(lambda x: model(x, cache=cache))(x))
-    # blocks with LoRA adapters keep XLA's norms (their rows feed the adapters too): the final norm's alone
     from gpt.lora import LoRAConfig
     cfg = tiny_model_config(vocab_size=61)
     lora = M.GPT(cfg, rngs=nnx.Rngs(0), runtime=tiny_runtime(cfg, attention="reference", norm_kernel="interpret"),
