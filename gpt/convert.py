@@ -252,10 +252,12 @@ def hf_dir_config(hf_dir: str | Path) -> tuple[dict, ModelConfig]:
     return hf, config_from_hf(hf, str(d / CONFIG_FILE))
 
 
-def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
-    """Read a Hugging Face GPT-2 directory: (ModelConfig, our parameters as float32 numpy arrays)."""
+def load_hf(hf_dir: str | Path, config: tuple[dict, ModelConfig] | None = None
+            ) -> tuple[ModelConfig, dict[str, Any]]:
+    """Read a Hugging Face GPT-2 directory: (ModelConfig, our parameters as float32 numpy arrays).
+    `config`: its `hf_dir_config`, where the caller has read it already."""
     d = Path(hf_dir)
-    hf, cfg = hf_dir_config(d)
+    hf, cfg = config or hf_dir_config(d)
     handles = _open_weights(d)
     gpt2 = hf.get("model_type") == "gpt2"
     prefix = "transformer." if gpt2 and "transformer.wte.weight" in handles else ""
@@ -535,7 +537,7 @@ def _from_hf_to_checkpoint(hf_dir: str | Path, out_dir: str | Path, *, overwrite
     tokenizer = hf_dir_tokenizer(Path(hf_dir), cfg)
     from gpt.tokenizer import HF_FILE, atomic_write_bytes
     new_tokenizer = _tokenizer_dest_is_new(out, steps, tokenizer[1] if tokenizer is not None else None)
-    cfg, params = load_hf(hf_dir)
+    cfg, params = load_hf(hf_dir, (hf, cfg))
     meta: dict[str, Any] = {"format_version": ckpt.FORMAT_VERSION, "step": 0,
                             "config": {"model": to_dict(cfg), "train": {}},
                             "source": str(Path(hf_dir).absolute()), "hf_model_type": hf.get("model_type")}

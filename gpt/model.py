@@ -38,7 +38,7 @@ from gpt.ops import decode_kernels as dk
 from gpt.ops import gelu_kernel as gelu_lib
 from gpt.ops import norm_kernel as norm_lib
 from gpt.ops.attention import attention, cached_attention, repeat_kv_heads
-from gpt.ops.cross_entropy import LinearCE, cross_entropy, cross_entropy_rows, linear_cross_entropy
+from gpt.ops.cross_entropy import LinearCE, cross_entropy, cross_entropy_rows, linear_cross_entropy, mask_padded
 from gpt.ops.dense import contract_last, decode_dense, dense
 from gpt.ops.dropout import dropout
 from gpt.ops.norm import layer_norm, norm_factors, rms_norm
@@ -630,13 +630,14 @@ class GPT(nnx.Module):
             x_BTD = normalize(x_BTD, _norm(self.lnf_scale, self.lnf_bias, self.lnf_alpha), cfg)
         if hidden:
             return x_BTD, cache, stats
-        rt = self.rt
-        # Decoding writes float32 logits: a few rows, no backward to save memory for, and greedy
-        # picks are not left to bf16 ties.
-        out = jnp.float32 if cache is not None else rt.matmul_out
-        logits_BTV = _matmul(rt, out)(x_BTD, self.head[...], "btd,vd->btv")  # [V, D]: [out, in] already
-        valid_V = jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size
-        return jnp.where(valid_V, logits_BTV, -jnp.inf), cache, stats
+        return mask_padded(self.logits(x_BTD, cache is not None), cfg.vocab_size), cache, stats
+
+    def logits(self, x_BTD: jax.Array, cached: bool) -> jax.Array:
+        """The head's logits of the final norm's output, the padded vocabulary's entries included.
+        Decoding (`cached`) writes them in float32: a few rows, no backward to save memory for, and
+        greedy picks are not left to bf16 ties."""
+        out = jnp.float32 if cached else self.rt.matmul_out
+        return _matmul(self.rt, out)(x_BTD, self.head[...], "btd,vd->btv")  # [V, D]: [out, in] already
 
     @property
     def head(self):
@@ -660,9 +661,8 @@ class GPT(nnx.Module):
             return cross_entropy(logits_BTV, targets_BT, rt.lse_one_pass), stats
         h_BTD, _, stats = self.forward(idx_BT, hidden=True, **kw)
         if chunks <= 1:
-            logits_BTV = _matmul(rt, rt.matmul_out)(h_BTD, self.head[...], "btd,vd->btv")
-            return cross_entropy_rows(logits_BTV, targets_BT, self.cfg.vocab_size, rt.lse_one_pass,
-                                      rt.xent_kernel == "interpret"), stats
+            return cross_entropy_rows(self.logits(h_BTD, cached=False), targets_BT, self.cfg.vocab_size,
+                                      rt.lse_one_pass, rt.xent_kernel == "interpret"), stats
         s = LinearCE(chunks, self.cfg.vocab_size, rt.dtype, rt.matmul_out, rt.lse_one_pass)
         return linear_cross_entropy(h_BTD, self.head[...], targets_BT, s), stats
 

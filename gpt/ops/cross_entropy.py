@@ -32,6 +32,11 @@ def cross_entropy_reference(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax
     return jnp.mean(lse_BT - target_BT)
 
 
+def mask_padded(logits_BTV: jax.Array, vocab: int) -> jax.Array:
+    """The logits with the entries from `vocab` on (a padded vocabulary's) -inf: probability 0."""
+    return jnp.where(jnp.arange(logits_BTV.shape[-1]) < vocab, logits_BTV, -jnp.inf)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, one_pass: bool = False) -> jax.Array:
     """Mean cross-entropy of `logits_BTV` [..., V] (any float dtype; entries that are -inf, such as
@@ -110,8 +115,7 @@ def cross_entropy_rows(logits_BTV: jax.Array, targets_BT: jax.Array, vocab: int,
     incoming gradient, which under jax.grad is the constant 1 that XLA folds away. Without a
     gradient (evaluation) it is `cross_entropy`'s XLA path. First-order reverse mode only: a
     second derivative would differentiate the pallas_call, which Pallas cannot (it fails there)."""
-    cols_V = jnp.arange(logits_BTV.shape[-1])
-    return cross_entropy(jnp.where(cols_V < vocab, logits_BTV, -jnp.inf), targets_BT, one_pass)
+    return cross_entropy(mask_padded(logits_BTV, vocab), targets_BT, one_pass)
 
 
 def _rows_fwd(logits_BTV, targets_BT, vocab, one_pass, interpret):
@@ -165,7 +169,7 @@ def _chunk_logits(h_BCD, w_VD, s: LinearCE) -> jax.Array:
 
 def _chunk_terms(h_BCD, w_VD, y_BC, s: LinearCE):
     """One chunk's logits (padded vocabulary entries -inf), their logsumexp and the targets'."""
-    logits_BCV = jnp.where(jnp.arange(w_VD.shape[0]) < s.vocab_size, _chunk_logits(h_BCD, w_VD, s), -jnp.inf)
+    logits_BCV = mask_padded(_chunk_logits(h_BCD, w_VD, s), s.vocab_size)
     return (logits_BCV, *_lse_and_target(logits_BCV, y_BC, s.one_pass))
 
 
