@@ -72,13 +72,15 @@ def main(argv: Sequence[str]) -> int:
 
     import jax
 
-    from gpt.checkpoint import load_model
+    from gpt.checkpoint import load_model, load_tokenizer_of
     from gpt.runtime import decoding_dtype, prepare_process
     from gpt.tokenizer import RowText
     prepare_process()
 
     cfg.dtype = decoding_dtype(cfg.dtype)
-    model, meta, tok = load_model(cfg.out_dir, cfg.dtype)
+    tok = load_tokenizer_of(cfg.out_dir)
+    prompt = read_prompt(cfg, tok)  # a prompt it cannot take is told before the weights are read
+    model, meta, _ = load_model(cfg.out_dir, cfg.dtype, tok=tok)
     draft = None
     if cfg.draft_out_dir:  # checked before anything is printed
         from gpt.speculative import load_draft
@@ -92,7 +94,6 @@ def main(argv: Sequence[str]) -> int:
             print(f"note: --top_k={cfg.top_k} exceeds the vocabulary ({model.cfg.vocab_size} tokens): "
                   f"every token is kept", file=sys.stderr)
         cfg.top_k = 0
-    prompt = read_prompt(cfg, tok)
     for note in length_notes(len(prompt) + cfg.max_new_tokens, model, draft, cfg.num_draft_tokens):
         print(f"note: {note}", file=sys.stderr)
     sampler = make_sampler(cfg, model, draft, tok)

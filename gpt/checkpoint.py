@@ -533,26 +533,42 @@ def settle_aside(out_dir: str | Path, aside: Path | None) -> None:
     os.replace(aside, checkpoint_dir(out_dir))
 
 
-def load_model(out_dir: str | Path, dtype: str = "auto", step: int | None = None):
+def load_tokenizer_of(out_dir: str | Path) -> Any:
+    """The tokenizer recorded with `out_dir`'s checkpoints (the same in every step), checked against
+    the model's vocabulary, read without touching arrays: a caller that tokenizes its input can
+    reject it before loading gigabytes of weights."""
+    from gpt.config import model_from_dict
+    from gpt.tokenizer import load_tokenizer
+
+    if not list_steps(out_dir):
+        raise UserError(describe_missing(out_dir))
+    _, meta = read_meta(out_dir)
+    if "tokenizer" not in meta:
+        raise UserError(f"the checkpoint in {out_dir} records no tokenizer; re-create it with "
+                        f"python -m gpt.convert or python train.py")
+    tok = load_tokenizer(meta["tokenizer"], out_dir)
+    try:
+        vocab_size = model_from_dict(meta["config"]["model"]).vocab_size
+    except (KeyError, TypeError) as e:
+        raise UserError(f"the checkpoint in {out_dir} has no model config ({e}); it is damaged") from None
+    if tok.vocab_size > vocab_size:  # its ids would index past the embedding
+        raise UserError(f"the tokenizer recorded in {out_dir} has {tok.vocab_size} tokens but the model "
+                        f"only {vocab_size}; the checkpoint's metadata is inconsistent, re-create it")
+    return tok
+
+
+def load_model(out_dir: str | Path, dtype: str = "auto", step: int | None = None, tok: Any = None):
     """(model, checkpoint meta, tokenizer) from the newest complete checkpoint of `out_dir`; a LoRA
-    run's adapters are merged into its base once, here (`gpt.lora.restore_params`)."""
+    run's adapters are merged into its base once, here (`gpt.lora.restore_params`). `tok`: the
+    tokenizer already read by `load_tokenizer_of`."""
     from flax import nnx
 
     from gpt.config import ComputeConfig
     from gpt.lora import restore_params
     from gpt.model import abstract_model
     from gpt.runtime import resolve
-    from gpt.tokenizer import load_tokenizer
 
-    if not list_steps(out_dir):
-        raise UserError(describe_missing(out_dir))
+    tok = tok or load_tokenizer_of(out_dir)
     s, cfg, params, meta = restore_params(out_dir, step)
     graphdef = nnx.graphdef(abstract_model(cfg, runtime=resolve(cfg, ComputeConfig(dtype=dtype))))
-    if "tokenizer" not in meta:
-        raise UserError(f"the checkpoint in {out_dir} records no tokenizer; re-create it with "
-                        f"python -m gpt.convert or python train.py")
-    tok = load_tokenizer(meta["tokenizer"], out_dir)
-    if tok.vocab_size > cfg.vocab_size:  # its ids would index past the embedding
-        raise UserError(f"the tokenizer recorded in {out_dir} has {tok.vocab_size} tokens but the model "
-                        f"only {cfg.vocab_size}; the checkpoint's metadata is inconsistent, re-create it")
     return nnx.merge(graphdef, params), meta, tok

@@ -119,19 +119,20 @@ def evaluate_text(out_dir: str, paths: Sequence[str], dtype: str = "auto", error
                   include: str | None = None, text_field: str = "text", skip_bad_records: bool = False
                   ) -> dict[str, float]:
     """The checkpoint's loss, perplexity and bits per byte on the inputs (module docstring). The
-    inputs are read and tokenized once before any scoring, ids not kept: what cannot be read or
-    tokenized (invalid UTF-8, a bad record, a character outside a char vocabulary) is told at once,
-    not when the scoring reaches it."""
-    from gpt.checkpoint import load_model
+    inputs are read and tokenized once before the weights are loaded, ids not kept: what cannot be
+    read or tokenized (invalid UTF-8, a bad record, a character outside a char vocabulary) is told
+    at once, not after loading the model or when the scoring reaches it."""
+    from gpt.checkpoint import load_model, load_tokenizer_of
     from gpt.corpus import DEFAULT_INCLUDE, Reading
 
     sources = input_sources(paths, include or DEFAULT_INCLUDE)
-    model, meta, tok = load_model(out_dir, dtype)
+    tok = load_tokenizer_of(out_dir)
     reading = Reading(errors, text_field, skip_bad_records)
     n_bytes, first = 0, None  # the stream's first id, and whether it is scored
     for ids, scored, piece_bytes in token_pieces(sources, reading, tok, paths):
         n_bytes += piece_bytes
         first = first or ((int(ids[0]), bool(scored[0])) if len(ids) else None)
+    model, meta, _ = load_model(out_dir, dtype, tok=tok)
     pieces = ((ids, scored) for ids, scored, _ in token_pieces(sources, reading, tok, paths))
     loss_sum, n_pred = score_stream(model, pieces)
     if first is not None and first[1]:  # no end-of-text token before it: its bytes are not predicted

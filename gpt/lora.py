@@ -364,7 +364,9 @@ def write_merged(out_dir: str | Path, merged_dir: str | Path) -> str:
     """`python -m gpt.convert --merge_lora`: a LoRA run's newest step, merged into its base, as a
     plain checkpoint of ours in `merged_dir` (new or empty; it appears complete or not at all)."""
     from gpt import checkpoint as ckpt
+    from gpt.convert import recover_killed_write
     dest = Path(merged_dir).absolute()
+    recover_killed_write(dest)  # the temporary copy of a merge killed part way (named as the export's)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UserError(f"--merged_dir {dest} exists and is not empty; choose a new or empty directory")
     _, meta = ckpt.read_meta(out_dir)
@@ -379,7 +381,7 @@ def write_merged(out_dir: str | Path, merged_dir: str | Path) -> str:
                 "tokenizer": meta.get("tokenizer"),
                 "merged_from": {"path": str(Path(out_dir).absolute()), "step": step, "lora": meta["lora"]}}
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent))
     try:
         c = ckpt.Checkpointer(tmp, keep=1, async_save=False)
         c.save(step, params, {"none": np.zeros((), np.int32)}, new_meta, val_loss=None)  # as --from_hf

@@ -509,6 +509,7 @@ def test_decode_layer_fastest_needs_passing_values():
     assert dl._fastest({"xla": {"us": 1.0}}, {}) is None
 
 
+@pytest.mark.slow  # 17 s of Pallas's interpreter; the blocks alone are checked by default (above)
 def test_decode_layer_mixed_chains_match_xlas():
     """Layers of mixed blocks (XLA's, partial rows, atomic adds into the rotating zeros, one- and
     two-kernel attention), three layers as timed: the stream after them, the caches and a greedy

@@ -148,3 +148,53 @@ def test_help_into_a_closed_pipe_is_quiet(cmd):
     finally:
         os.close(write)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+
+
+def test_sigterm_runs_the_commands_cleanups_and_is_one_line(tmp_path):
+    """SIGTERM ends a command as SIGINT does: its cleanups run (here a temporary copy removed, as
+    the writers of gpt.convert and gpt.data do), then one line and exit status 143, no traceback.
+    A handler the caller set stays; the default comes back after the command."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = f"""
+import os, signal, time
+from pathlib import Path
+from gpt.errors import run_main
+def main(argv):
+    tmp = Path({str(tmp_path)!r}) / ".out.tmp"
+    tmp.mkdir()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+    except BaseException:
+        tmp.rmdir()
+        raise
+run_main(main, [])
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parent.parent,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143 and proc.stderr.strip() == "terminated", proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_handler_is_the_commands_only_while_it_runs():
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are set on the main thread only")
+    seen = []
+
+    def main(argv):
+        seen.append(signal.getsignal(signal.SIGTERM))
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit):
+            run_main(main, [])
+        assert seen[0] not in (signal.SIG_DFL, None) and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        signal.signal(signal.SIGTERM, print)  # a caller's own: left alone
+        with pytest.raises(SystemExit):
+            run_main(main, [])
+        assert seen[1] is print and signal.getsignal(signal.SIGTERM) is print
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -128,14 +128,29 @@ def test_streamed_batches_predict_every_token_once_across_batch_boundaries(monke
 
 def test_text_that_cannot_be_tokenized_is_told_before_any_scoring(tmp_path, trained, monkeypatch):
     """A character outside the char model's vocabulary at the end of a long input is one line at
-    once: the streamed scoring would have found it only when it reached it."""
-    from gpt import evaluate
+    once, before the weights are read: the streamed scoring would have found it only when it
+    reached it."""
+    from gpt import checkpoint, evaluate
     from gpt.errors import UserError
     f = tmp_path / "t.txt"
     f.write_text((REPO / "data" / "shakespeare.txt").read_text()[:5000] + "\u00e9")
     monkeypatch.setattr(evaluate, "score_stream", lambda *a: pytest.fail("scored before the check"))
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("loaded before the check"))
     with pytest.raises(UserError, match="not in the char tokenizer's vocabulary"):
         evaluate.evaluate_text(str(trained), [str(f)], "float32")
+
+
+def test_sample_cli_rejects_a_prompt_before_reading_the_weights(tmp_path, trained, monkeypatch):
+    """sample.py tokenizes the prompt with the checkpoint's tokenizer before it loads the model: a
+    character the char vocabulary lacks, or an unreadable --prompt_file, is told at once."""
+    import sample as sample_cli
+    from gpt import checkpoint
+    from gpt.errors import UserError
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("loaded before the check"))
+    with pytest.raises(UserError, match="not in the char tokenizer's vocabulary"):
+        sample_cli.main([f"--out_dir={trained}", "--prompt=\u00e9t\u00e9", "--max_new_tokens=2"])
+    with pytest.raises(UserError, match="cannot read --prompt_file"):
+        sample_cli.main([f"--out_dir={trained}", f"--prompt_file={tmp_path / 'nope.txt'}"])
 
 
 def test_documents_follow_an_end_of_text_token_which_is_not_scored(tmp_path):

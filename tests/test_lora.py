@@ -255,7 +255,8 @@ def test_resume_is_exact_and_checkpoints_hold_adapters(tmp_path, char_data, base
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_sample_merge_lora_and_export(tmp_path, char_data, bases, lora_runs, arch, capsys):
     """The loader merges once (== the unmerged model, < 1e-5); sample.py reads the run;
-    --merge_lora writes a plain checkpoint with those very weights; --to_hf loads in transformers;
+    --merge_lora writes a plain checkpoint with those very weights (removing what a merge killed part
+    way left); --to_hf loads in transformers;
     --init_from=LORA_OUT without --lora_rank starts a full fine-tuning from the merged weights."""
     import sample
     from gpt import convert
@@ -276,7 +277,12 @@ def test_sample_merge_lora_and_export(tmp_path, char_data, bases, lora_runs, arc
     capsys.readouterr()
     assert sample.main([f"--out_dir={out}", "--prompt=ROMEO:", "--max_new_tokens=8", "--temperature=0"]) == 0
     assert capsys.readouterr().out.startswith("ROMEO:")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    killed = tmp_path / f".m.{gone.pid}.x1.tmp"  # a merge killed while writing left its copy
+    killed.mkdir()
     assert convert.main(["--merge_lora", "--out_dir", str(out), "--merged_dir", str(tmp_path / "m")]) == 0
+    assert not killed.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".m")) == []
     plain, meta_m, _ = load_model(tmp_path / "m", "float32")
     assert "lora" not in meta_m and np.array_equal(logits(plain, x), want)
     full = T.prepare_setup(*configs(tmp_path / "full", char_data, f"--init_from={out}"))
