@@ -302,9 +302,8 @@ def _leave(job: Job, status: int, line: str, report: Report) -> None:
     without jax's exit barrier. Whatever goes wrong on the way, the process exits."""
     if not job.claim():  # another process's failure is already stopping this one
         threading.Event().wait()
-    try:  # a second Ctrl-C or SIGTERM (gpt.errors.Terminated) must not cut this short
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this short
     except ValueError:  # not the main thread
         pass
     try:

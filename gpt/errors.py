@@ -10,9 +10,7 @@ import errno
 import math
 import os
 import re
-import signal
 import sys
-import threading
 import traceback
 from contextlib import contextmanager
 from typing import Callable, Sequence
@@ -58,39 +56,13 @@ FailureHandler = Callable[[int, str, Report], None]  # (exit status, one-line er
 _failure_handler: list[FailureHandler] = []  # at most one
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised wherever Python is when it arrives, as SIGINT raises KeyboardInterrupt: a
-    command stopped part way runs its cleanups (a temporary copy removed, checkpoints set aside
-    put back) where the signal's default action would end the process on the spot."""
-
-
-def _terminated(signum: int, frame: object) -> None:
-    raise Terminated
-
-
-@contextmanager
-def terminate_as_exception():
-    """SIGTERM raises `Terminated` inside the block (the main thread, where no handler of the
-    caller's is set; train.py's own handler takes over while it trains)."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-    signal.signal(signal.SIGTERM, _terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def run_main(main: Callable[[Sequence[str]], int | None], argv: Sequence[str] | None = None) -> None:
     """Run a command's main; what the user can fix (`failure_line`) ends in one stderr line and its
     exit status, a bug in Python's traceback. A registered failure handler (`on_failure`) is
     handed either, and prints it itself."""
     quiet_library_logs()
     try:
-        with terminate_as_exception():
-            code = main(list(sys.argv[1:] if argv is None else argv))
+        code = main(list(sys.argv[1:] if argv is None else argv))
     except SystemExit:
         raise
     except ReaderGone:  # `sample.py | head`: stop quietly, as cat does
@@ -150,8 +122,6 @@ def failure_line(e: BaseException) -> tuple[int, str | None]:
     disk is the user's to fix wherever it strikes, and so is device memory exhaustion."""
     if isinstance(e, KeyboardInterrupt):
         return 130, "interrupted"
-    if isinstance(e, Terminated):
-        return 143, "terminated"  # 128 + SIGTERM, as a shell reports a process the signal ended
     status = 2
     if isinstance(e, UserError):
         message = str(e)
