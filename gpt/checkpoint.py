@@ -276,6 +276,8 @@ class Checkpointer:
             except UserError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure here means a damaged checkpoint
+                if (stop := _interrupt_in(e)) is not None:  # ... but a signal's: the read was cut short
+                    raise stop from None
                 if may_list_again and self._newer_saved(steps[0]):
                     return None  # a running training saved, and its retention deleted s
                 damaged.append((s, _root_cause(e)))
@@ -339,6 +341,20 @@ def _collect_quietly() -> None:
     import gc
     _quiet_abandoned_reads()
     gc.collect()
+
+
+def _interrupt_in(e: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt (Ctrl-C), or any other exception that is not an Exception, in `e`'s
+    chain of causes: Orbax wraps what a read raises, even these, in a plain Exception ("Encountered
+    error while reading array index"), which must not make an intact step count as damaged (moved
+    aside, the interrupt lost)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if not isinstance(e, Exception):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _root_cause(e: BaseException) -> str:

@@ -347,6 +347,28 @@ def test_every_checkpoint_damaged_is_a_clear_error(tmp_path, char_data, trained)
     assert ckpt.list_steps(out) == [4, 6, 8]  # nothing moved or deleted when nothing restores
 
 
+def test_signal_while_a_step_is_read_stops_and_damages_nothing(tmp_path, char_data, trained, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) arriving while Orbax reads the newest step, which wraps it in a
+    plain Exception: the run stops there, and the intact step is neither moved aside as damaged
+    nor fallen back from (the interrupt was lost and training went on from an older step)."""
+    from orbax.checkpoint._src.serialization import serialization
+    src, _ = trained
+    out = tmp_path / "o"
+    shutil.copytree(src, out)
+
+    read, calls = serialization._read_shard, []
+
+    async def signalled(**kw):  # the signal arrives once, during the first read
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return await read(**kw)
+    monkeypatch.setattr(serialization, "_read_shard", signalled)
+    with pytest.raises(KeyboardInterrupt):
+        run_inproc(out, char_data, *SHORT, "--init_from=resume", "--max_iters=10")
+    assert sorted(p.name for p in ckpt.checkpoint_dir(out).iterdir()) == ["4", "6", "8"]
+
+
 # ----------------------------------------------------------------------------- full disk
 
 _INJECT = '''
