@@ -10,7 +10,8 @@ from gpt.errors import UserError, reader_may_leave, run_main
 MAX_PROMPT_CHARS = 10_000_000
 
 
-def read_prompt(cfg, tokenizer) -> list[int]:
+def read_prompt(cfg, tokenizer, notes: list[str] | None = None) -> list[int]:
+    """The prompt's ids; `notes`: where the note of an empty prompt goes (else stderr, now)."""
     text = cfg.prompt
     if cfg.prompt_file:
         try:
@@ -36,13 +37,14 @@ def read_prompt(cfg, tokenizer) -> list[int]:
     if outside:
         raise UserError(f"the tokenizer made {flag} into id {outside[0]}, outside its {tokenizer.vocab_size} "
                         f"tokens (its tokenizer.json's template names it); fix that template")
-    return ids or start_ids(tokenizer)
+    return ids or start_ids(tokenizer, notes)
 
 
-def start_ids(tokenizer) -> list[int]:
+def start_ids(tokenizer, notes: list[str] | None = None) -> list[int]:
     """What an empty prompt starts from: the end-of-text token, else a newline (as nanoGPT)."""
+    say = (lambda note: print(f"note: {note}", file=sys.stderr)) if notes is None else notes.append
     if tokenizer.eot_id is not None:
-        print("note: empty prompt; starting from the end-of-text token", file=sys.stderr)
+        say("empty prompt; starting from the end-of-text token")
         return [tokenizer.eot_id]
     try:
         ids = tokenizer.encode("\n")
@@ -51,7 +53,7 @@ def start_ids(tokenizer) -> list[int]:
     if not ids:
         raise UserError("the prompt is empty and this model's vocabulary has no newline to start from; "
                         "pass --prompt with some of its text")
-    print("note: empty prompt; starting from a newline", file=sys.stderr)
+    say("empty prompt; starting from a newline")
     return ids
 
 
@@ -79,7 +81,8 @@ def main(argv: Sequence[str]) -> int:
 
     cfg.dtype = decoding_dtype(cfg.dtype)
     tok = load_tokenizer_of(cfg.out_dir)
-    prompt = read_prompt(cfg, tok)  # a prompt it cannot take is told before the weights are read
+    notes: list[str] = []  # printed once the models have loaded: an error there is one line
+    prompt = read_prompt(cfg, tok, notes)  # a prompt it cannot take is told before the weights are read
     model, meta, _ = load_model(cfg.out_dir, cfg.dtype, tok=tok)
     draft = None
     if cfg.draft_out_dir:  # checked before anything is printed
@@ -94,7 +97,7 @@ def main(argv: Sequence[str]) -> int:
             print(f"note: --top_k={cfg.top_k} exceeds the vocabulary ({model.cfg.vocab_size} tokens): "
                   f"every token is kept", file=sys.stderr)
         cfg.top_k = 0
-    for note in length_notes(len(prompt) + cfg.max_new_tokens, model, draft, cfg.num_draft_tokens):
+    for note in notes + length_notes(len(prompt) + cfg.max_new_tokens, model, draft, cfg.num_draft_tokens):
         print(f"note: {note}", file=sys.stderr)
     sampler = make_sampler(cfg, model, draft, tok)
     state = sampler.start([prompt] * cfg.num_samples, jax.random.key(cfg.seed))

@@ -153,6 +153,18 @@ def test_sample_cli_rejects_a_prompt_before_reading_the_weights(tmp_path, traine
         sample_cli.main([f"--out_dir={trained}", f"--prompt_file={tmp_path / 'nope.txt'}"])
 
 
+def test_sample_cli_empty_prompt_note_waits_for_the_models(tmp_path, trained, capsys):
+    """The prompt is read before the weights, but an empty prompt's note is printed only once the
+    models have loaded: a --draft_out_dir (or target) that fails is one line, as it was; a run that
+    goes on still says where the empty prompt starts."""
+    import sample as sample_cli
+    code, _, err = run_cli(capsys, sample_cli.main, f"--out_dir={trained}", "--prompt=",
+                           f"--draft_out_dir={tmp_path / 'none'}", "--max_new_tokens=2")
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --draft_out_dir="), err
+    code, _, err = run_cli(capsys, sample_cli.main, f"--out_dir={trained}", "--prompt=", "--max_new_tokens=2")
+    assert code == 0 and "note: empty prompt; starting from a newline" in err, err
+
+
 def test_documents_follow_an_end_of_text_token_which_is_not_scored(tmp_path):
     """With a tokenizer that has one (gpt2), each document is predicted from an end-of-text token,
     as training separates documents, and that token (no bytes) is not a target."""
