@@ -549,16 +549,16 @@ def settle_aside(out_dir: str | Path, aside: Path | None) -> None:
     os.replace(aside, checkpoint_dir(out_dir))
 
 
-def load_tokenizer_of(out_dir: str | Path) -> Any:
-    """The tokenizer recorded with `out_dir`'s checkpoints (the same in every step), checked against
-    the model's vocabulary, read without touching arrays: a caller that tokenizes its input can
-    reject it before loading gigabytes of weights."""
+def load_tokenizer_of(out_dir: str | Path, step: int | None = None) -> Any:
+    """The tokenizer recorded with `out_dir`'s checkpoints (the same in every step; that of `step`
+    where given), checked against the model's vocabulary, read without touching arrays: a caller
+    that tokenizes its input can reject it before loading gigabytes of weights."""
     from gpt.config import model_from_dict
     from gpt.tokenizer import load_tokenizer
 
     if not list_steps(out_dir):
         raise UserError(describe_missing(out_dir))
-    _, meta = read_meta(out_dir)
+    _, meta = read_meta(out_dir, step)
     if "tokenizer" not in meta:
         raise UserError(f"the checkpoint in {out_dir} records no tokenizer; re-create it with "
                         f"python -m gpt.convert or python train.py")
@@ -584,7 +584,7 @@ def load_model(out_dir: str | Path, dtype: str = "auto", step: int | None = None
     from gpt.model import abstract_model
     from gpt.runtime import resolve
 
-    tok = tok or load_tokenizer_of(out_dir)
+    tok = tok or load_tokenizer_of(out_dir, step)
     s, cfg, params, meta = restore_params(out_dir, step)
     graphdef = nnx.graphdef(abstract_model(cfg, runtime=resolve(cfg, ComputeConfig(dtype=dtype))))
     return nnx.merge(graphdef, params), meta, tok

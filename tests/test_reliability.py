@@ -369,6 +369,20 @@ def test_signal_while_a_step_is_read_stops_and_damages_nothing(tmp_path, char_da
     assert sorted(p.name for p in ckpt.checkpoint_dir(out).iterdir()) == ["4", "6", "8"]
 
 
+def test_load_model_of_a_step_reads_that_steps_metadata_only(tmp_path, trained):
+    """load_model(step=s) reads the tokenizer of step s, as it reads its arrays: a newer step it
+    was not asked for (here one a newer version of the code wrote) is not read."""
+    src, _ = trained
+    out = tmp_path / "o"
+    shutil.copytree(src, out)
+    path = ckpt.checkpoint_dir(out) / "8" / "meta" / "metadata"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": ckpt.FORMAT_VERSION + 1}))
+    with pytest.raises(UserError, match="written by a newer version"):
+        ckpt.load_model(out, "float32")
+    _, meta, tok = ckpt.load_model(out, "float32", step=6)
+    assert meta["step"] == 6 and tok.decode(tok.encode("ROMEO:")) == "ROMEO:"
+
+
 # ----------------------------------------------------------------------------- full disk
 
 _INJECT = '''
