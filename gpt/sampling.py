@@ -292,6 +292,8 @@ class Sampler:
         P = max(len(p) for p in prompts)
         tokens_BN, pos = jax.device_get((state.tokens_BN, state.pos))
         new_BN = np.asarray(tokens_BN)[:, P:int(pos)]
+        if new_BN.shape[1] == 0:  # nothing decoded (max_new_tokens=0): numpy's argmax of no column raises
+            return [[] for _ in new_BN]
         # Found by numpy: a scan of every row in Python, at every chunk, was quadratic in its length.
         end_BN = np.isin(new_BN, list(self.settings.end_ids))
         lengths = np.where(end_BN.any(1), end_BN.argmax(1) + 1, new_BN.shape[1])

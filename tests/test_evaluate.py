@@ -205,6 +205,9 @@ def test_sample_cli_streams_and_stops(trained, capsys):
     code, again, err = run_cli(capsys, sample_cli.main, *argv, "--num_samples=2")
     assert code == 0 and again.count("ROMEO:") == 2, err
     assert again.split("\n---------------\n")[0].strip() == out.strip()  # same seed, same text
+    for n, flags in ((1, []), (2, ["--num_samples=2", "--no_stream"])):  # the prompt alone; was a traceback
+        code, out, err = run_cli(capsys, sample_cli.main, *argv, "--max_new_tokens=0", *flags)
+        assert code == 0 and out == "\n---------------\n".join(["ROMEO:"] * n) + "\n", err
 
 
 def test_bpe_tokenizer_travels_from_input_to_sampling(tmp_path):

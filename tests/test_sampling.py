@@ -248,6 +248,13 @@ def test_stops_after_eot(model):
     assert out[-1] == eot and out == free[:free.index(eot) + 1]
 
 
+def test_zero_new_tokens_leave_each_row_empty(model):
+    """max_new_tokens=0 (sample.py then prints the prompt alone): every row's new tokens are none;
+    finding the rows' ends raised numpy's "argmax of an empty sequence" (a traceback)."""
+    for prompts in ([[1, 2, 3]], [[1, 2], [3, 4, 5]]):
+        assert Sampler(model, greedy(0, eot=0)).generate(prompts, jax.random.key(0)) == [[]] * len(prompts)
+
+
 def test_any_eos_id_ends_a_row(model):
     """A model's other EOS ids (stop_ids) end a row as eot does; eot_id fills the row after."""
     prompts = [[5, 6, 7], [40, 2]]
