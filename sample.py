@@ -83,10 +83,12 @@ def main(argv: Sequence[str]) -> int:
     tok = load_tokenizer_of(cfg.out_dir)
     notes: list[str] = []  # printed once the models have loaded: an error there is one line
     prompt = read_prompt(cfg, tok, notes)  # a prompt it cannot take is told before the weights are read
+    if cfg.draft_out_dir:  # and so is a draft that is missing or has another tokenizer
+        from gpt.speculative import check_draft, load_draft
+        check_draft(cfg.draft_out_dir, tok, cfg.out_dir)
     model, meta, _ = load_model(cfg.out_dir, cfg.dtype, tok=tok)
     draft = None
     if cfg.draft_out_dir:  # checked before anything is printed
-        from gpt.speculative import load_draft
         draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens)
     from gpt.sampling import decode_kernels_by_default, with_decode_kernels
     run = (model, cfg.num_samples, draft is not None, jax.default_backend())

@@ -375,16 +375,12 @@ class SpeculativeSampler:
 # ----------------------------------------------------------------------------- the command line
 
 
-def load_draft(draft_dir: str, dtype: str, target: GPT, target_tok, target_dir: str, k: int) -> GPT:
-    """The draft model of `sample.py --draft_out_dir`, checked against the target: a missing or
-    damaged checkpoint, another tokenizer or vocabulary, or k past a model's block_size is one
-    UserError line; a draft larger than the target is allowed (it only makes decoding slower)
-    with one warning."""
-    import sys
-
-    from gpt.checkpoint import list_steps, load_model
+def check_draft(draft_dir: str, target_tok, target_dir: str):
+    """The draft's tokenizer, read without its arrays (`load_tokenizer_of`) and checked against the
+    target's: sample.py calls it before either model's weights are read, so that a mistyped
+    --draft_out_dir or a draft with another tokenizer is told at once, not after loading gigabytes."""
+    from gpt.checkpoint import list_steps, load_tokenizer_of
     from gpt.errors import UserError
-    from gpt.model import num_params
     from gpt.tokenizer import fingerprint
 
     if not list_steps(draft_dir):
@@ -392,13 +388,32 @@ def load_draft(draft_dir: str, dtype: str, target: GPT, target_tok, target_dir: 
         raise UserError(f"--draft_out_dir={draft_dir} {there}; give a small model trained with the "
                         f"target's tokenizer (python train.py --out_dir=DIR on the same data)")
     try:
-        draft, _, draft_tok = load_model(draft_dir, dtype)
+        draft_tok = load_tokenizer_of(draft_dir)
     except UserError as e:
         raise UserError(f"--draft_out_dir={draft_dir}: {e}") from None
     if fingerprint(draft_tok, draft_dir) != fingerprint(target_tok, target_dir):
         raise UserError(f"the draft's tokenizer ({describe(draft_tok)}, in {draft_dir}) is not the "
                         f"target's ({describe(target_tok)}, in {target_dir}); speculative decoding "
                         f"needs a draft trained with the same tokenizer")
+    return draft_tok
+
+
+def load_draft(draft_dir: str, dtype: str, target: GPT, target_tok, target_dir: str, k: int) -> GPT:
+    """The draft model of `sample.py --draft_out_dir`, checked against the target: a missing or
+    damaged checkpoint, another tokenizer or vocabulary, or k past a model's block_size is one
+    UserError line; a draft larger than the target is allowed (it only makes decoding slower)
+    with one warning."""
+    import sys
+
+    from gpt.checkpoint import load_model
+    from gpt.errors import UserError
+    from gpt.model import num_params
+
+    draft_tok = check_draft(draft_dir, target_tok, target_dir)
+    try:
+        draft, _, _ = load_model(draft_dir, dtype, tok=draft_tok)
+    except UserError as e:
+        raise UserError(f"--draft_out_dir={draft_dir}: {e}") from None
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise UserError(f"the draft's vocabulary ({draft.cfg.vocab_size} tokens, {draft_dir}) differs "
                         f"from the target's ({target.cfg.vocab_size} tokens, {target_dir}); speculative "

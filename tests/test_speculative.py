@@ -353,6 +353,21 @@ def test_cli_bad_draft_is_one_line(dirs, capsys, flags, needle):
         assert str(dirs / "other_tok") in err[0] and str(dirs / "target") in err[0]
 
 
+@pytest.mark.parametrize("draft,needle", [("nowhere", "does not exist"),
+                                          ("other_tok", "is not the target's")])
+def test_cli_bad_draft_is_told_before_any_weights_are_read(dirs, monkeypatch, draft, needle):
+    """A mistyped --draft_out_dir, or a draft trained with another tokenizer, is told from the
+    checkpoints' metadata before the target's (or the draft's) weights are loaded: it was told
+    only after loading the target's."""
+    import sample as sample_cli
+    from gpt import checkpoint
+    from gpt.errors import UserError
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("loaded before the check"))
+    with pytest.raises(UserError, match=needle):
+        sample_cli.main([f"--out_dir={dirs / 'target'}", "--max_new_tokens=4",
+                         f"--draft_out_dir={dirs / draft}"])
+
+
 def test_notes_say_where_speculative_rounds_stop():
     """sample.py's notes past block_size: the target's window, and where speculative rounds stop,
     which is set by whichever model cannot roll its cache (the draft's limits said nothing before)."""
