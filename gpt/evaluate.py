@@ -128,17 +128,18 @@ def evaluate_text(out_dir: str, paths: Sequence[str], dtype: str = "auto", error
     sources = input_sources(paths, include or DEFAULT_INCLUDE)
     tok = load_tokenizer_of(out_dir)
     reading = Reading(errors, text_field, skip_bad_records)
-    n_bytes, first = 0, None  # the stream's first id, and whether it is scored
+    n_bytes, n_scored, first = 0, 0, None  # the stream's first id, and whether it is scored
     for ids, scored, piece_bytes in token_pieces(sources, reading, tok, paths):
-        n_bytes += piece_bytes
+        n_bytes, n_scored = n_bytes + piece_bytes, n_scored + int(scored.sum())
         first = first or ((int(ids[0]), bool(scored[0])) if len(ids) else None)
+    if first is not None and first[1]:  # no end-of-text token before it: its bytes are not predicted
+        n_bytes -= len(tok.decode([first[0]]).encode("utf-8"))
+        n_scored -= 1  # nor is it a target
+    if n_scored == 0:  # told before the weights are read, as a text that cannot be tokenized is
+        raise UserError(f"{', '.join(map(str, paths))} holds fewer than 2 tokens; nothing to evaluate")
     model, meta, _ = load_model(out_dir, dtype, tok=tok)
     pieces = ((ids, scored) for ids, scored, _ in token_pieces(sources, reading, tok, paths))
     loss_sum, n_pred = score_stream(model, pieces)
-    if first is not None and first[1]:  # no end-of-text token before it: its bytes are not predicted
-        n_bytes -= len(tok.decode([first[0]]).encode("utf-8"))
-    if n_pred == 0:
-        raise UserError(f"{', '.join(map(str, paths))} holds fewer than 2 tokens; nothing to evaluate")
     loss = loss_sum / n_pred
     return {"step": meta["step"], "loss": loss, "perplexity": math.exp(min(loss, 50)),
             "bpb": loss_sum / math.log(2) / max(n_bytes, 1), "tokens": n_pred, "bytes": n_bytes}

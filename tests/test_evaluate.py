@@ -140,6 +140,19 @@ def test_text_that_cannot_be_tokenized_is_told_before_any_scoring(tmp_path, trai
         evaluate.evaluate_text(str(trained), [str(f)], "float32")
 
 
+def test_an_input_with_nothing_to_predict_is_told_before_the_weights_are_read(tmp_path, trained, monkeypatch):
+    """An empty file, or one character (a char model predicts none of it), is one line from the
+    first reading of the input: it was told only after loading the weights and scoring."""
+    from gpt import checkpoint, evaluate
+    from gpt.errors import UserError
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("loaded before the check"))
+    for text in ("", "\ufeff", "x"):
+        f = tmp_path / "t.txt"
+        f.write_text(text, encoding="utf-8")
+        with pytest.raises(UserError, match="fewer than 2 tokens"):
+            evaluate.evaluate_text(str(trained), [str(f)], "float32")
+
+
 def test_sample_cli_rejects_a_prompt_before_reading_the_weights(tmp_path, trained, monkeypatch):
     """sample.py tokenizes the prompt with the checkpoint's tokenizer before it loads the model: a
     character the char vocabulary lacks, or an unreadable --prompt_file, is told at once."""
