@@ -69,6 +69,7 @@ def main(argv: Sequence[str]) -> int:
         sys.stdout.reconfigure(errors="replace")
     if "prompt" in explicit and "prompt_file" in explicit:
         raise UserError("give either --prompt or --prompt_file, not both")
+    check_paths_named(cfg, explicit)
     if "num_draft_tokens" in explicit and not cfg.draft_out_dir:
         raise UserError("--num_draft_tokens needs --draft_out_dir (the draft model that proposes them)")
 
@@ -117,6 +118,17 @@ def main(argv: Sequence[str]) -> int:
         print(f"note: speculative decoding: the target kept {100 * stats['acceptance_rate']:.0f}% of "
               f"the draft's {stats['drafted']} tokens", file=sys.stderr)
     return 0
+
+
+def check_paths_named(cfg, explicit: set[str]) -> None:
+    """An empty --prompt_file or --draft_out_dir (`--prompt_file="$UNSET"`) would read as none
+    given: the default prompt sampled, or no draft, without a word."""
+    if "prompt_file" in explicit and not cfg.prompt_file:
+        raise UserError("--prompt_file names no file; pass a text file, or leave --prompt_file out "
+                        "(and give the prompt with --prompt)")
+    if "draft_out_dir" in explicit and not cfg.draft_out_dir:
+        raise UserError("--draft_out_dir names no folder; pass the draft's out_dir, or leave "
+                        "--draft_out_dir out to sample without a draft")
 
 
 def length_notes(total: int, model, draft, k: int) -> list[str]:

@@ -360,6 +360,8 @@ def cases(w) -> list[Case]:
         Case("sample absurd tokens", S + ["--max_new_tokens=1000000000"], "--max_new_tokens=1000000000", good),
         Case("sample prompt and prompt file", S + ["--prompt=hi", f"--prompt_file={root / 'text.txt'}"],
              "either --prompt or --prompt_file", good),
+        Case("sample empty prompt file flag", S + ["--prompt_file="], "--prompt_file names no file", good),
+        Case("sample empty draft flag", S + ["--draft_out_dir="], "--draft_out_dir names no folder", good),
         Case("sample endless prompt file", S + ["--prompt_file=/dev/zero"], "not a text prompt", good),
         Case("sample seed negative", S + ["--seed=-5"], "--seed=-5", good),
         Case("sample decode kernels off a GPU", S + ["--decode_kernels"], "needs an NVIDIA GPU", good),
