@@ -26,11 +26,11 @@ WINDOW_TOKENS = 8192  # and tokens, at most (the earlier 8 windows at T = 1,024;
 
 
 def input_sources(paths: Sequence[str], include: Any) -> list:
-    """The inputs' files (`gpt.corpus`), found before the model is loaded: a wrong path is told at
-    once."""
-    from gpt.corpus import make_sources, resolve_inputs
+    """The inputs' files (`gpt.corpus`), found before the model is loaded: a wrong path, or an
+    --include that names no pattern (as `gpt.data` refuses it), is told at once."""
+    from gpt.corpus import include_patterns, make_sources, resolve_inputs
     try:
-        return make_sources(resolve_inputs(paths, include))
+        return make_sources(resolve_inputs(paths, include_patterns(include)))
     except OSError as e:
         raise _unreadable(paths, e) from None
 
@@ -125,7 +125,7 @@ def evaluate_text(out_dir: str, paths: Sequence[str], dtype: str = "auto", error
     from gpt.checkpoint import load_model, load_tokenizer_of
     from gpt.corpus import DEFAULT_INCLUDE, Reading
 
-    sources = input_sources(paths, include or DEFAULT_INCLUDE)
+    sources = input_sources(paths, DEFAULT_INCLUDE if include is None else include)
     tok = load_tokenizer_of(out_dir)
     reading = Reading(errors, text_field, skip_bad_records)
     n_bytes, n_scored, first = 0, 0, None  # the stream's first id, and whether it is scored

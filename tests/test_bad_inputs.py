@@ -406,6 +406,8 @@ def cases(w) -> list[Case]:
         Case("evaluate no checkpoint", E + [f"--out_dir={root / 'empty'}", "--input", str(root / "text.txt")],
              "no checkpoint found", root / "empty"),
         Case("evaluate missing input flag", E + [f"--out_dir={good}"], "--input", good),
+        Case("evaluate empty include", E + [f"--out_dir={good}", "--input", str(root / "textdir"),
+                                            "--include="], "--include '' names no pattern", good),  # was the default
     ]
     return [own_new_dir(c, new) for c in all_cases]
 
