@@ -271,6 +271,7 @@ def cases(w) -> list[Case]:
              "tokens but the model only", root / "vocab_mismatch"),
         Case("sample prompt outside vocab", S + ["--prompt=日本語"], "not in the char tokenizer", good),
         Case("sample prompt not utf-8", S + ["--prompt=ab\udcffcd"], "--prompt is not valid UTF-8", good),
+        Case("sample stop not utf-8", S + ["--stop=ab\udcffcd"], "--stop is not valid UTF-8", good),
         Case("sample top_p 0", S + ["--top_p=0"], "--top_p=0", good),
         Case("sample top_p above 1", S + ["--top_p=1.5"], "--top_p=1.5", good),
         Case("sample top_k negative", S + ["--top_k=-1"], "--top_k=-1", good),
