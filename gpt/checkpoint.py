@@ -415,6 +415,10 @@ def describe_missing(out_dir: str | Path, other: str = "pass --out_dir") -> str:
     """Why `out_dir` has no checkpoint, ending in `other`: what else the user may pass (the flag
     that named the folder, which is not --out_dir for train.py --init_from)."""
     out = Path(out_dir)
+    run = _run_above(out)
+    if run is not None:  # `train one there` would nest a new run inside it
+        return (f"no checkpoint found in {out}/checkpoints: {out} is part of the checkpoints of {run}; pass "
+                f"{run} itself, the training output dir that holds checkpoints/")
     if not out.exists():
         there = "it does not exist"
     elif not out.is_dir():
@@ -429,6 +433,15 @@ def describe_missing(out_dir: str | Path, other: str = "pass --out_dir") -> str:
                 f"and resumes it")
     return (f"no checkpoint found in {out}/checkpoints ({there}); train one with "
             f"`python train.py --out_dir={out}` or {other}")
+
+
+def _run_above(out: Path) -> Path | None:
+    """The training output dir whose checkpoints/ is `out`, or holds it (a step's folder), if any:
+    the path a user copies from a listing of the checkpoints."""
+    for run in (out.parent, out.parent.parent):
+        if list_steps(run) and out.absolute().is_relative_to(checkpoint_dir(run)):
+            return run
+    return None
 
 
 _HELD: dict[str, int] = {}  # out_dirs whose lock this process holds: resolved path -> descriptor

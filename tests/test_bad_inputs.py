@@ -267,6 +267,8 @@ def cases(w) -> list[Case]:
         Case("sample no checkpoint", [PY, "sample.py", f"--out_dir={root / 'empty'}"], "no checkpoint found",
              root / "empty"),
         Case("sample all damaged", [PY, "sample.py", f"--out_dir={bad}"], "every checkpoint", bad),
+        Case("sample out_dir inside checkpoints", [PY, "sample.py", f"--out_dir={good / 'checkpoints'}"],
+             f"pass {good} itself", good),  # it said to train a new run in there
         Case("sample tokenizer larger than model", [PY, "sample.py", f"--out_dir={root / 'vocab_mismatch'}"],
              "tokens but the model only", root / "vocab_mismatch"),
         Case("sample prompt outside vocab", S + ["--prompt=日本語"], "not in the char tokenizer", good),

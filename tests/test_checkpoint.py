@@ -211,6 +211,9 @@ def test_odd_out_dirs_are_one_line(tmp_path):
     (tmp_path / "out" / "checkpoints" / "\u00b2").mkdir(parents=True)
     (tmp_path / "out" / "checkpoints" / "7").mkdir()
     assert ck.list_steps(tmp_path / "out") == [7]
+    for inside in ("checkpoints", "checkpoints/7"):  # copied from a listing: named the run's folder, not
+        msg = ck.describe_missing(tmp_path / "out" / inside)  # `train one there`, which nests a run in it
+        assert f"pass {tmp_path / 'out'} itself" in msg and "train.py" not in msg, msg
 
 
 def test_overwrite_logs_come_back_even_from_a_set_aside_cut_short(tmp_path):
