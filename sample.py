@@ -67,34 +67,15 @@ def main(argv: Sequence[str]) -> int:
     validate_sample(cfg)
     if hasattr(sys.stdout, "reconfigure"):  # text a terminal's encoding lacks: "?", not a traceback
         sys.stdout.reconfigure(errors="replace")
-    if "prompt" in explicit and "prompt_file" in explicit:
-        raise UserError("give either --prompt or --prompt_file, not both")
-    check_paths_named(cfg, explicit)
-    if "num_draft_tokens" in explicit and not cfg.draft_out_dir:
-        raise UserError("--num_draft_tokens needs --draft_out_dir (the draft model that proposes them)")
+    check_flags(cfg, explicit)
 
     import jax
 
-    from gpt.checkpoint import load_model, load_tokenizer_of
-    from gpt.runtime import decoding_dtype, prepare_process
+    from gpt.runtime import prepare_process
     from gpt.tokenizer import RowText
     prepare_process()
 
-    cfg.dtype = decoding_dtype(cfg.dtype)
-    tok = load_tokenizer_of(cfg.out_dir)
-    notes: list[str] = []  # printed once the models have loaded: an error there is one line
-    prompt = read_prompt(cfg, tok, notes)  # a prompt it cannot take is told before the weights are read
-    if cfg.draft_out_dir:  # and so is a draft that is missing or has another tokenizer
-        from gpt.speculative import check_draft, load_draft
-        check_draft(cfg.draft_out_dir, tok, cfg.out_dir)
-    model, meta, _ = load_model(cfg.out_dir, cfg.dtype, tok=tok)
-    draft = None
-    if cfg.draft_out_dir:  # checked before anything is printed
-        draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens)
-    from gpt.sampling import decode_kernels_by_default, with_decode_kernels
-    run = (model, cfg.num_samples, draft is not None, jax.default_backend())
-    if cfg.decode_kernels == "true" or (cfg.decode_kernels == "auto" and decode_kernels_by_default(*run)):
-        model = with_decode_kernels(*run)
+    tok, prompt, notes, model, draft = load_run(cfg)
     if cfg.top_k > model.cfg.vocab_size:  # keeps every token, as nanoGPT and transformers take it
         if "top_k" in explicit:
             print(f"note: --top_k={cfg.top_k} exceeds the vocabulary ({model.cfg.vocab_size} tokens): "
@@ -120,15 +101,48 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def check_paths_named(cfg, explicit: set[str]) -> None:
-    """An empty --prompt_file or --draft_out_dir (`--prompt_file="$UNSET"`) would read as none
-    given: the default prompt sampled, or no draft, without a word."""
+def check_flags(cfg, explicit: set[str]) -> None:
+    """The flags' combinations, before JAX is imported. An empty --prompt_file or --draft_out_dir
+    (`--prompt_file="$UNSET"`) would read as none given: the default prompt sampled, or no draft,
+    without a word."""
+    if "prompt" in explicit and "prompt_file" in explicit:
+        raise UserError("give either --prompt or --prompt_file, not both")
     if "prompt_file" in explicit and not cfg.prompt_file:
         raise UserError("--prompt_file names no file; pass a text file, or leave --prompt_file out "
                         "(and give the prompt with --prompt)")
     if "draft_out_dir" in explicit and not cfg.draft_out_dir:
         raise UserError("--draft_out_dir names no folder; pass the draft's out_dir, or leave "
                         "--draft_out_dir out to sample without a draft")
+    if "num_draft_tokens" in explicit and not cfg.draft_out_dir:
+        raise UserError("--num_draft_tokens needs --draft_out_dir (the draft model that proposes them)")
+
+
+def load_run(cfg):
+    """(tokenizer, prompt ids, notes to print, model, draft or None). What the user gave is checked
+    before any weights are read: the prompt against the checkpoint's tokenizer, the draft's
+    tokenizer against the target's. Notes wait until the models have loaded, so that an error
+    there is one line."""
+    import jax
+
+    from gpt.checkpoint import load_model, load_tokenizer_of
+    from gpt.runtime import decoding_dtype
+    from gpt.sampling import decode_kernels_by_default, with_decode_kernels
+    from gpt.speculative import check_draft, load_draft
+
+    cfg.dtype = decoding_dtype(cfg.dtype)
+    tok = load_tokenizer_of(cfg.out_dir)
+    notes: list[str] = []
+    prompt = read_prompt(cfg, tok, notes)
+    if cfg.draft_out_dir:
+        check_draft(cfg.draft_out_dir, tok, cfg.out_dir)
+    model, _, _ = load_model(cfg.out_dir, cfg.dtype, tok=tok)
+    draft = None
+    if cfg.draft_out_dir:
+        draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens)
+    run = (model, cfg.num_samples, draft is not None, jax.default_backend())
+    if cfg.decode_kernels == "true" or (cfg.decode_kernels == "auto" and decode_kernels_by_default(*run)):
+        model = with_decode_kernels(*run)
+    return tok, prompt, notes, model, draft
 
 
 def length_notes(total: int, model, draft, k: int) -> list[str]:
