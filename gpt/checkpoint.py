@@ -564,8 +564,9 @@ def settle_aside(out_dir: str | Path, aside: Path | None) -> None:
 
 def load_tokenizer_of(out_dir: str | Path, step: int | None = None) -> Any:
     """The tokenizer recorded with `out_dir`'s checkpoints (the same in every step; that of `step`
-    where given), checked against the model's vocabulary, read without touching arrays: a caller
-    that tokenizes its input can reject it before loading gigabytes of weights."""
+    where given), checked against the model's vocabulary (and a LoRA run's base to be there), read
+    without touching arrays: a caller that tokenizes its input can reject it before loading
+    gigabytes of weights."""
     from gpt.config import model_from_dict
     from gpt.tokenizer import load_tokenizer
 
@@ -575,6 +576,9 @@ def load_tokenizer_of(out_dir: str | Path, step: int | None = None) -> Any:
     if "tokenizer" not in meta:
         raise UserError(f"the checkpoint in {out_dir} records no tokenizer; re-create it with "
                         f"python -m gpt.convert or python train.py")
+    if isinstance(meta.get("lora"), dict):  # a LoRA run's base that is gone is told as early
+        from gpt.lora import base_of
+        base_of(meta["lora"].get("base"), out_dir)
     tok = load_tokenizer(meta["tokenizer"], out_dir)
     try:
         vocab_size = model_from_dict(meta["config"]["model"]).vocab_size

@@ -304,8 +304,10 @@ def read_base(src: str | Path, step: int | None = None) -> Base:
                               "sha256": params_sha256(params)}, meta.get("tokenizer"))
 
 
-def load_base(ref: Any, where: str | Path) -> Base:
-    """The base a LoRA run in `where` recorded, checked to be the very weights it was trained on."""
+def base_of(ref: Any, where: str | Path) -> tuple[Path, int | None, str]:
+    """(path, step, its name in messages) of the base a LoRA run in `where` recorded, checked from
+    metadata alone (the reference readable, the base still there): a caller that reads its input
+    first (gpt.evaluate, sample.py) tells a base that is gone before that work."""
     from gpt import checkpoint as ckpt
     if not isinstance(ref, dict) or not all(isinstance(ref.get(k), str) for k in ("path", "sha256", "kind")):
         raise UserError(f"the base model reference recorded in {where} is damaged; the LoRA run cannot "
@@ -319,6 +321,12 @@ def load_base(ref: Any, where: str | Path) -> Base:
     if gone:
         raise UserError(f"the base model of the LoRA run in {where}, {which}, is gone; put it back "
                         f"there (a LoRA checkpoint holds only the adapters)")
+    return path, step, which
+
+
+def load_base(ref: Any, where: str | Path) -> Base:
+    """The base a LoRA run in `where` recorded, checked to be the very weights it was trained on."""
+    path, step, which = base_of(ref, where)
     base = read_base(path, step if ref["kind"] == "checkpoint" else None)
     if base.ref["sha256"] != ref["sha256"]:
         raise UserError(f"the base model of the LoRA run in {where}, {which}, has changed since the "

@@ -327,6 +327,8 @@ def test_base_gone_changed_or_a_lora_run(tmp_path, char_data, bases, lora_runs):
     shutil.rmtree(base)
     with pytest.raises(UserError, match=r"base \(step 0\), is gone"):
         load_model(out)
+    with pytest.raises(UserError, match=r"base \(step 0\), is gone"):  # from metadata alone: before
+        ckpt.load_tokenizer_of(out)  # gpt.evaluate reads its input, sample.py its prompt
     with pytest.raises(UserError, match="not a LoRA run, so it cannot be resumed with --lora_rank"):
         run(bases / "gpt2", char_data, "--init_from=resume", *LORA)
 
