@@ -133,12 +133,12 @@ def load_run(cfg):
     tok = load_tokenizer_of(cfg.out_dir)
     notes: list[str] = []
     prompt = read_prompt(cfg, tok, notes)
-    if cfg.draft_out_dir:
-        check_draft(cfg.draft_out_dir, tok, cfg.out_dir)
+    draft_tok = check_draft(cfg.draft_out_dir, tok, cfg.out_dir) if cfg.draft_out_dir else None
     model, _, _ = load_model(cfg.out_dir, cfg.dtype, tok=tok)
     draft = None
     if cfg.draft_out_dir:
-        draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens)
+        draft = load_draft(cfg.draft_out_dir, cfg.dtype, model, tok, cfg.out_dir, cfg.num_draft_tokens,
+                           draft_tok)
     run = (model, cfg.num_samples, draft is not None, jax.default_backend())
     if cfg.decode_kernels == "true" or (cfg.decode_kernels == "auto" and decode_kernels_by_default(*run)):
         model = with_decode_kernels(*run)

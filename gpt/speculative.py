@@ -30,7 +30,7 @@ rounds per call for streaming, with the same interface as `gpt.sampling.Sampler`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -398,18 +398,19 @@ def check_draft(draft_dir: str, target_tok, target_dir: str):
     return draft_tok
 
 
-def load_draft(draft_dir: str, dtype: str, target: GPT, target_tok, target_dir: str, k: int) -> GPT:
+def load_draft(draft_dir: str, dtype: str, target: GPT, target_tok, target_dir: str, k: int,
+               draft_tok: Any = None) -> GPT:
     """The draft model of `sample.py --draft_out_dir`, checked against the target: a missing or
     damaged checkpoint, another tokenizer or vocabulary, or k past a model's block_size is one
     UserError line; a draft larger than the target is allowed (it only makes decoding slower)
-    with one warning."""
+    with one warning. `draft_tok`: what `check_draft` returned, if the caller called it."""
     import sys
 
     from gpt.checkpoint import load_model
     from gpt.errors import UserError
     from gpt.model import num_params
 
-    draft_tok = check_draft(draft_dir, target_tok, target_dir)
+    draft_tok = draft_tok or check_draft(draft_dir, target_tok, target_dir)
     try:
         draft, _, _ = load_model(draft_dir, dtype, tok=draft_tok)
     except UserError as e:
