@@ -12,6 +12,7 @@ MAX_PROMPT_CHARS = 10_000_000
 
 def read_prompt(cfg, tokenizer, notes: list[str] | None = None) -> list[int]:
     """The prompt's ids; `notes`: where the note of an empty prompt goes (else stderr, now)."""
+    from gpt.config import is_utf8
     text = cfg.prompt
     if cfg.prompt_file:
         try:
@@ -25,11 +26,10 @@ def read_prompt(cfg, tokenizer, notes: list[str] | None = None) -> list[int]:
             raise UserError(f"--prompt_file={cfg.prompt_file} is not a text prompt (over {MAX_PROMPT_CHARS:,} "
                             f"characters, or NUL bytes); pass a text file")
     flag = "--prompt_file" if cfg.prompt_file else "--prompt"
+    if not is_utf8(text):  # bytes that are not UTF-8 reach argv as lone surrogates
+        raise UserError(f"{flag} is not valid UTF-8 text; pass the prompt as UTF-8")
     try:
-        text.encode("utf-8")
         ids = tokenizer.encode_prompt(text)
-    except UnicodeEncodeError:  # bytes that are not UTF-8 reach argv as lone surrogates
-        raise UserError(f"{flag} is not valid UTF-8 text; pass the prompt as UTF-8") from None
     except UserError as e:  # a character the char tokenizer lacks
         raise UserError(f"{flag}: {e}") from None
     # A tokenizer.json's template may name an id its vocabulary lacks, which the embedding would clamp.

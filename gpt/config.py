@@ -637,7 +637,7 @@ def auto_or_bool(key: str, raw: str) -> str:
         raise UserError(f"--{key} expects auto, true or false, got {raw!r}") from None
 
 
-def _utf8(text: str) -> bool:
+def is_utf8(text: str) -> bool:
     """Whether `text` encodes as UTF-8 (a lone surrogate does not)."""
     try:
         text.encode("utf-8")
@@ -660,7 +660,7 @@ def validate_sample(s: SampleConfig) -> SampleConfig:
     if any(not stop for stop in s.stop):
         raise UserError("--stop is an empty string, which would cut every sample at its start; pass the "
                         "text to stop at, or leave --stop out")
-    if not all(map(_utf8, s.stop)):  # bytes that are not UTF-8 reach argv as lone surrogates
+    if not all(map(is_utf8, s.stop)):  # bytes that are not UTF-8 reach argv as lone surrogates
         raise UserError("--stop is not valid UTF-8 text, which no decoded sample holds (it would never "
                         "stop one); pass the stop string as UTF-8")
     if s.dtype not in _CHOICES["dtype"]:
